@@ -1,0 +1,36 @@
+"""stepvault — the checkpoint store and manager for deep-learning training.
+
+Content-addressed, verified, pickle-free checkpoints::
+
+    import stepvault
+    state = {"model": model, "optimizer": opt, "rng": stepvault.RNGState()}
+    stepvault.save("ckpts", state, run="exp1", step=100)
+    info = stepvault.restore("ckpts", state, run="exp1")      # newest checkpoint that verifies
+"""
+
+__version__ = "0.1.0"
+
+from .api import RestoreInfo, SaveInfo, SkippedCheckpoint, open, restore, save
+from .errors import *  # noqa: F403
+from .errors import __all__ as _errors_all
+from .format.encoding import register_type, unregister_type
+from .state import RNGState
+from .vault import Checkpoint, CheckpointSummary, Vault, parse_ref
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointSummary",
+    "RNGState",
+    "RestoreInfo",
+    "SaveInfo",
+    "SkippedCheckpoint",
+    "Vault",
+    "__version__",
+    "open",
+    "parse_ref",
+    "register_type",
+    "restore",
+    "save",
+    "unregister_type",
+    *_errors_all,
+]

@@ -1,0 +1,106 @@
+"""The read path: plan → fetch → verify → decode → place.
+
+Every object is hashed after decoding and compared with its name before any byte of it is
+used; raw objects on local disk are memory-mapped, so a tensor that lives in one object
+is a zero-copy view. Tensors handed out never alias each other, even when deduplication
+made two of them share one object.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import CorruptObjectError, MissingObjectError
+from ..format.manifest import Manifest, TensorEntry
+from ..format.objects import decode_object
+from ..store import Store
+from .staging import from_bytes
+from .writer import default_workers
+
+
+def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryview:
+    """Decoded, verified bytes of one object (a private copy-on-write map when raw on disk)."""
+    try:
+        buf = store.map_object(digest)
+        if buf is None:
+            buf = store.read_object(digest)
+    except FileNotFoundError:
+        raise MissingObjectError(
+            f"object {digest[:16]}… is missing from {store.backend.url}"
+        ) from None
+    raw = decode_object(buf, digest, verify=verify)
+    if raw.readonly:
+        raw = memoryview(bytearray(raw))
+    return raw
+
+
+class CheckpointReader:
+    """Reads tensors of one committed checkpoint, lazily or all at once."""
+
+    def __init__(self, store: Store, manifest: Manifest, *, workers: int | None = None) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.workers = workers or default_workers()
+        self._objects: dict[str, memoryview] = {}
+        self._handed_out: set[tuple[str, int, int]] = set()
+        self._lock = threading.Lock()
+
+    def prefetch(self, digests: Iterable[str]) -> None:
+        """Fetch and verify objects in parallel (raises on the first damaged one)."""
+        todo = [d for d in dict.fromkeys(digests) if d not in self._objects]
+        if not todo:
+            return
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            for digest, raw in zip(todo, pool.map(lambda d: fetch_object(self.store, d), todo)):
+                self._objects[digest] = raw
+
+    def _object(self, digest: str) -> memoryview:
+        raw = self._objects.get(digest)
+        if raw is None:
+            raw = self._objects[digest] = fetch_object(self.store, digest)
+        return raw
+
+    def _range(self, digest: str, off: int, length: int) -> memoryview:
+        view = self._object(digest)[off : off + length]
+        if view.nbytes != length:
+            raise CorruptObjectError(f"object {digest[:16]}… is shorter than the manifest says")
+        key = (digest, off, length)
+        with self._lock:
+            shared = key in self._handed_out
+            self._handed_out.add(key)
+        # The same bytes handed out twice (dedup) must not become two aliasing tensors.
+        return memoryview(bytearray(view)) if shared else view
+
+    def read(self, name: str) -> Any:
+        """One tensor (torch) or array (numpy), verified; reads only the objects it needs."""
+        entry = self.manifest.tensors.get(name)
+        if entry is None:
+            raise KeyError(
+                f"no tensor {name!r} in {self.manifest.run}@{self.manifest.step}; "
+                f"it has {len(self.manifest.tensors)} tensors (see .tensor_names())"
+            )
+        return self._build(entry)
+
+    def _build(self, entry: TensorEntry) -> Any:
+        if len(entry.chunks) == 1:
+            data = self._range(*entry.chunks[0])
+        else:
+            buf = bytearray(entry.nbytes)
+            at = 0
+            for digest, off, length in entry.chunks:
+                buf[at : at + length] = self._object(digest)[off : off + length]
+                at += length
+            data = memoryview(buf)
+        return from_bytes(entry.kind, entry.dtype, entry.shape, data)
+
+    def read_all(self) -> dict[str, Any]:
+        """Every tensor of the checkpoint, all objects verified before any is returned."""
+        self.prefetch(d for t in self.manifest.tensors.values() for d, _, _ in t.chunks)
+        return {name: self._build(entry) for name, entry in self.manifest.tensors.items()}
+
+    def release(self) -> None:
+        """Drop cached objects (the tensors already handed out stay valid)."""
+        self._objects.clear()

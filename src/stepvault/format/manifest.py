@@ -1,0 +1,238 @@
+"""Manifests: the committed description of one checkpoint (versioned JSON with a checksum).
+
+A manifest file has two lines::
+
+    {"format":"stepvault-manifest","version":1,"body_blake3":"<hex>","body_size":N}\\n
+    <body: N bytes of UTF-8 JSON>
+
+The envelope's hash covers the body bytes exactly as stored, so any reader can check a
+manifest without re-serialising JSON. The body schema is documented in FORMAT.md and
+checked by :func:`parse_manifest` before anything else looks at it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ManifestError, StoreVersionError
+from .dtypes import dtype_info
+from .hashing import content_hash
+from .objects import MAX_RAW_SIZE
+
+MANIFEST_FORMAT_VERSION = 1
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+#: Manifests larger than this are refused (a manifest of 100k tensors is ~15 MB).
+MAX_MANIFEST_SIZE = 1 << 28
+
+
+@dataclass
+class TensorEntry:
+    """One tensor or numpy array: dtype, shape and the byte ranges that hold it."""
+
+    dtype: str
+    shape: list[int]
+    chunks: list[tuple[str, int, int]]  # (object hash, offset in decoded object, length)
+    kind: str = "tensor"  # "tensor" (torch) or "ndarray" (numpy)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_info(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunks": [list(c) for c in self.chunks],
+        }
+
+
+@dataclass
+class ObjectEntry:
+    codec: str
+    size: int  # stored bytes (header + payload)
+    raw_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"codec": self.codec, "size": self.size, "raw_size": self.raw_size}
+
+
+@dataclass
+class Manifest:
+    """In-memory form of a manifest body."""
+
+    run: str
+    step: int
+    created: float
+    epoch: int | None = None
+    kind: str = "full"
+    parent_step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    metadata: Any = None  # safe-encoded JSON value
+    state: Any = None  # safe-encoded JSON value referencing tensors by name
+    state_kinds: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    objects: dict[str, ObjectEntry] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(o.size for o in self.objects.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "step": self.step,
+            "epoch": self.epoch,
+            "created": self.created,
+            "kind": self.kind,
+            "parent_step": self.parent_step,
+            "metrics": self.metrics,
+            "metadata": self.metadata,
+            "state_kinds": self.state_kinds,
+            "state": self.state,
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "objects": {k: v.to_json() for k, v in self.objects.items()},
+            "stats": self.stats,
+            "environment": self.environment,
+        }
+
+
+def serialize_manifest(manifest: Manifest) -> bytes:
+    """Envelope line + JSON body, as written to ``runs/<run>/checkpoints/<step>.json``."""
+    body = json.dumps(manifest.to_json(), separators=(",", ":"), allow_nan=False).encode()
+    envelope = {
+        "format": "stepvault-manifest",
+        "version": MANIFEST_FORMAT_VERSION,
+        "body_blake3": content_hash(body),
+        "body_size": len(body),
+    }
+    return json.dumps(envelope, separators=(",", ":")).encode() + b"\n" + body
+
+
+def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
+    """Check a manifest's envelope, checksum and schema; return it or raise ManifestError."""
+    if len(data) > MAX_MANIFEST_SIZE:
+        raise ManifestError(f"{where}: manifest of {len(data)} bytes exceeds the limit")
+    head, sep, body = data.partition(b"\n")
+    if not sep:
+        raise ManifestError(f"{where}: truncated manifest (no envelope line)")
+    try:
+        env = json.loads(head)
+        fmt, version = env["format"], env["version"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(f"{where}: damaged manifest envelope") from exc
+    if fmt != "stepvault-manifest":
+        raise ManifestError(f"{where}: not a stepvault manifest (format {fmt!r})")
+    if not isinstance(version, int) or version > MANIFEST_FORMAT_VERSION:
+        raise StoreVersionError(
+            f"{where}: manifest version {version!r} is newer than this stepvault reads "
+            f"({MANIFEST_FORMAT_VERSION}); upgrade stepvault"
+        )
+    if env.get("body_size") != len(body):
+        raise ManifestError(
+            f"{where}: manifest body is {len(body)} bytes, envelope says {env.get('body_size')}"
+            " (truncated?)"
+        )
+    if env.get("body_blake3") != content_hash(body):
+        raise ManifestError(f"{where}: manifest checksum mismatch (damaged or altered)")
+    try:
+        doc = json.loads(body)
+        return _from_json(doc)
+    except ManifestError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise ManifestError(f"{where}: manifest violates the schema: {exc!r}") from exc
+
+
+def _int(v: Any, what: str, *, nullable: bool = False, minimum: int = 0) -> int | None:
+    if v is None and nullable:
+        return None
+    if type(v) is not int or v < minimum:
+        raise ManifestError(f"{what} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def _from_json(doc: dict[str, Any]) -> Manifest:
+    if type(doc) is not dict:
+        raise ManifestError("manifest body is not an object")
+    objects: dict[str, ObjectEntry] = {}
+    for digest, o in doc["objects"].items():
+        if not _HASH.match(digest):
+            raise ManifestError(f"bad object hash {digest!r}")
+        raw_size = _int(o["raw_size"], "object raw_size")
+        if raw_size > MAX_RAW_SIZE:
+            raise ManifestError(f"object {digest[:16]}… raw_size {raw_size} exceeds the limit")
+        if type(o["codec"]) is not str:
+            raise ManifestError("object codec must be a str")
+        objects[digest] = ObjectEntry(o["codec"], _int(o["size"], "object size"), raw_size)
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in doc["tensors"].items():
+        if not name or "\x00" in name:
+            raise ManifestError(f"bad tensor name {name!r}")
+        shape = t["shape"]
+        if type(shape) is not list or len(shape) > 64:
+            raise ManifestError(f"tensor {name!r}: bad shape")
+        for d in shape:
+            _int(d, f"tensor {name!r} dimension")
+        kind = t.get("kind", "tensor")
+        if kind not in ("tensor", "ndarray"):
+            raise ManifestError(f"tensor {name!r}: unknown kind {kind!r}")
+        try:
+            itemsize = dtype_info(t["dtype"]).itemsize
+        except ValueError as exc:
+            raise ManifestError(f"tensor {name!r}: {exc}") from None
+        chunks, total = [], 0
+        for c in t["chunks"]:
+            if type(c) is not list or len(c) != 3:
+                raise ManifestError(f"tensor {name!r}: bad chunk entry")
+            digest, off, length = c
+            obj = objects.get(digest)
+            if obj is None:
+                raise ManifestError(f"tensor {name!r}: chunk names unlisted object {digest!r}")
+            _int(off, "chunk offset")
+            _int(length, "chunk length")
+            if off + length > obj.raw_size:
+                raise ManifestError(f"tensor {name!r}: chunk range beyond its object")
+            chunks.append((digest, off, length))
+            total += length
+        # Checked with the chunk total, so an absurd shape cannot pass without absurd chunks.
+        if math.prod(shape) * itemsize != total:
+            raise ManifestError(
+                f"tensor {name!r}: shape {shape} x {t['dtype']} needs "
+                f"{math.prod(shape) * itemsize} bytes, chunks hold {total}"
+            )
+        tensors[name] = TensorEntry(t["dtype"], shape, chunks, kind)
+    metrics = doc.get("metrics") or {}
+    if type(metrics) is not dict:
+        raise ManifestError("metrics must be an object")
+    epoch = _int(doc.get("epoch"), "epoch", nullable=True)
+    return Manifest(
+        run=doc["run"] if type(doc["run"]) is str else _bad("run"),
+        step=_int(doc["step"], "step"),
+        created=float(doc["created"]),
+        epoch=epoch,
+        kind=str(doc.get("kind", "full")),
+        parent_step=_int(doc.get("parent_step"), "parent_step", nullable=True),
+        metrics=metrics,
+        metadata=doc.get("metadata"),
+        state=doc.get("state"),
+        state_kinds=dict(doc.get("state_kinds") or {}),
+        tensors=tensors,
+        objects=objects,
+        stats=dict(doc.get("stats") or {}),
+        environment=dict(doc.get("environment") or {}),
+    )
+
+
+def _bad(what: str):
+    raise ManifestError(f"manifest field {what!r} has the wrong type")

@@ -1,0 +1,66 @@
+"""The byte-level backend interface every storage location implements.
+
+Keys are relative, ``/``-separated paths (``objects/ab/abcd...``). A backend knows nothing
+of tensors, manifests or hashes; it only moves bytes, and it offers exactly one way to make
+something visible: :meth:`Backend.put_atomic`, which never exposes a partially written key.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Backend(abc.ABC):
+    """Abstract storage backend (local directory now; fsspec/S3 implements the same)."""
+
+    #: Human-readable location, used in error messages.
+    url: str
+
+    @abc.abstractmethod
+    def read_bytes(self, key: str) -> bytes:
+        """Whole content of ``key``; ``FileNotFoundError`` when absent."""
+
+    @abc.abstractmethod
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` starting at ``offset`` (shorter at end of file)."""
+
+    def map(self, key: str) -> memoryview | None:
+        """A read-only zero-copy view of ``key`` (memory map), or None if unsupported."""
+        return None
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Size in bytes; ``FileNotFoundError`` when absent."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is visible."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Names (not full keys) directly under the folder ``prefix``; empty when absent."""
+
+    @abc.abstractmethod
+    def put_atomic(
+        self, key: str, parts: Sequence[Buffer], *, overwrite: bool = True, durable: bool = True
+    ) -> None:
+        """Write the concatenation of ``parts`` to ``key`` so that readers see all or nothing.
+
+        With ``overwrite=False`` the write is create-if-absent and raises ``FileExistsError``
+        when ``key`` already exists. With ``durable=True`` the data is on stable storage
+        before the key becomes visible (local disks: fsync of the file; the directory entry
+        is flushed by :meth:`sync`).
+        """
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; missing keys are ignored."""
+
+    def sync(self) -> None:
+        """Make every visible name created so far durable (directory fsync on local disks)."""
+
+    def close(self) -> None:
+        """Release resources."""

@@ -1,0 +1,154 @@
+"""Local-directory backend: atomic rename/link commit, fsync of file and directory, mmap reads."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import OutOfSpaceError
+from .backend import Backend, Buffer
+from .names import check_key
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalBackend(Backend):
+    """A store on a local (or network-mounted POSIX) directory.
+
+    Visibility is made atomic with a temporary file under ``tmp/`` that is fsynced and then
+    renamed (replace) or hard-linked (create-if-absent) to its final name. Directory entries
+    of new names are fsynced in :meth:`sync`, which the writer calls before committing a
+    manifest, so an object is durable before any manifest that references it.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        self.url = str(self.root)
+        self._dirty: set[str] = set()
+        self._lock = threading.Lock()
+        self._made_dirs: set[str] = set()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _ensure_dir(self, path: str) -> None:
+        if path in self._made_dirs:
+            return
+        os.makedirs(path, exist_ok=True)
+        with self._lock:
+            self._made_dirs.add(path)
+
+    # -- reads -------------------------------------------------------------------------
+    def read_bytes(self, key: str) -> bytes:
+        fd = os.open(self._path(key), os.O_RDONLY | _NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        fd = os.open(self._path(key), os.O_RDONLY | _NOFOLLOW)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def map(self, key: str) -> memoryview:
+        fd = os.open(self._path(key), os.O_RDONLY | _NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return memoryview(b"")
+            # ACCESS_COPY: private copy-on-write pages, so tensors built on the map are
+            # writable without ever touching the file.
+            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int:
+        return os.stat(self._path(key), follow_symlinks=False).st_size
+
+    def exists(self, key: str) -> bool:
+        return os.path.lexists(self._path(key))
+
+    def list(self, prefix: str) -> list[str]:
+        path = self._path(prefix) if prefix else str(self.root)
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            return []
+
+    # -- writes ------------------------------------------------------------------------
+    def put_atomic(
+        self, key: str, parts: Sequence[Buffer], *, overwrite: bool = True, durable: bool = True
+    ) -> None:
+        final = self._path(key)
+        tmp_dir = os.path.join(self.root, "tmp")
+        self._ensure_dir(tmp_dir)
+        self._ensure_dir(os.path.dirname(final))
+        tmp = os.path.join(tmp_dir, f"{uuid.uuid4().hex}.part")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view.nbytes:
+                        written = os.write(fd, view)
+                        view = view[written:]
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if overwrite:
+                os.replace(tmp, final)
+            else:
+                # link() fails with EEXIST if the name exists: create-if-absent, atomically.
+                os.link(tmp, final)
+                os.unlink(tmp)
+        except OSError as exc:
+            _silent_unlink(tmp)
+            if exc.errno in _NO_SPACE:
+                raise OutOfSpaceError(
+                    exc.errno,
+                    f"no space left on {self.url} while writing {key}; nothing new was "
+                    "committed and earlier checkpoints are intact. Free space (e.g. "
+                    "'stepvault gc') or save to another store.",
+                ) from exc
+            raise
+        if durable:
+            with self._lock:
+                self._dirty.add(os.path.dirname(final))
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def sync(self) -> None:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        for path in sorted(dirty):
+            _fsync_dir(path)
+
+
+def _silent_unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,220 @@
+"""The store: layout of a stepvault repository on top of a :class:`Backend`.
+
+::
+
+    <root>/
+      stepvault.json                       store format version and settings
+      objects/<2 hex>/<hash>               content-addressed objects
+      runs/<run>/run.json                  run metadata
+      runs/<run>/checkpoints/<step>.json   committed manifests (the only source of truth)
+      refs/  events/                       registry and event log (later layers)
+      tmp/                                 in-flight writes; never read by restore
+
+This layer moves opaque bytes; what an object or manifest *means* is the format layer's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    StoreNotFoundError,
+    StoreVersionError,
+)
+from .backend import Backend, Buffer
+from .local import LocalBackend
+from .names import validate_run_name, validate_step
+
+#: Version of the store layout written by this code; readers refuse newer ones.
+STORE_FORMAT_VERSION = 1
+SETTINGS_KEY = "stepvault.json"
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+_STEP_FILE = re.compile(r"^(0|[1-9][0-9]{0,17})\.json$")
+
+
+def backend_for(root: str | os.PathLike[str] | Backend) -> Backend:
+    """Pick the backend for ``root``: a Backend instance, a local path or ``file://`` URL."""
+    if isinstance(root, Backend):
+        return root
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    elif "://" in text:
+        raise StoreNotFoundError(
+            f"{text!r}: remote stores (s3://, gs://, memory://) are not supported by this "
+            "version yet; use a local directory"
+        )
+    return LocalBackend(text)
+
+
+class Store:
+    """A stepvault repository: objects, manifests and settings on one backend."""
+
+    def __init__(self, backend: Backend, settings: dict[str, Any]) -> None:
+        self.backend = backend
+        self.settings = settings
+
+    # -- opening -------------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        root: str | os.PathLike[str] | Backend,
+        *,
+        create: bool = False,
+        defaults: dict[str, Any] | None = None,
+    ) -> Store:
+        """Open the store at ``root``; with ``create=True`` initialise it when absent.
+
+        ``defaults`` are settings recorded when the store is created (chunk size, codec...);
+        an existing store keeps its recorded settings.
+        """
+        backend = backend_for(root)
+        try:
+            raw = backend.read_bytes(SETTINGS_KEY)
+        except FileNotFoundError:
+            if not create:
+                raise StoreNotFoundError(
+                    f"no stepvault store at {backend.url} (missing {SETTINGS_KEY}); "
+                    "save a checkpoint there first, or check the path"
+                ) from None
+            settings = {
+                "format": "stepvault-store",
+                "version": STORE_FORMAT_VERSION,
+                "created": time.time(),
+                **(defaults or {}),
+            }
+            data = (json.dumps(settings, indent=2, sort_keys=True) + "\n").encode()
+            try:
+                backend.put_atomic(SETTINGS_KEY, [data], overwrite=False)
+                backend.sync()
+            except FileExistsError:
+                pass  # another process created it first; read theirs
+            raw = backend.read_bytes(SETTINGS_KEY)
+        settings = _parse_settings(raw, backend.url)
+        return cls(backend, settings)
+
+    # -- keys ----------------------------------------------------------------------------
+    @staticmethod
+    def object_key(digest: str) -> str:
+        if not _HASH.match(digest):
+            raise ValueError(f"not an object hash: {digest!r}")
+        return f"objects/{digest[:2]}/{digest}"
+
+    @staticmethod
+    def manifest_key(run: str, step: int) -> str:
+        return f"runs/{validate_run_name(run)}/checkpoints/{validate_step(step)}.json"
+
+    # -- objects -------------------------------------------------------------------------
+    def has_object(self, digest: str) -> bool:
+        return self.backend.exists(self.object_key(digest))
+
+    def put_object(self, digest: str, parts: Sequence[Buffer]) -> None:
+        """Write an object durably under its content hash (idempotent)."""
+        self.backend.put_atomic(self.object_key(digest), parts, overwrite=True, durable=True)
+
+    def read_object(self, digest: str) -> bytes:
+        return self.backend.read_bytes(self.object_key(digest))
+
+    def map_object(self, digest: str) -> memoryview | None:
+        return self.backend.map(self.object_key(digest))
+
+    def object_size(self, digest: str) -> int:
+        return self.backend.size(self.object_key(digest))
+
+    def delete_object(self, digest: str) -> None:
+        self.backend.delete(self.object_key(digest))
+
+    def iter_objects(self) -> Iterator[str]:
+        """Every object hash present in the store (committed or not)."""
+        for prefix in self.backend.list("objects"):
+            if len(prefix) != 2:
+                continue
+            for name in self.backend.list(f"objects/{prefix}"):
+                if _HASH.match(name) and name.startswith(prefix):
+                    yield name
+
+    def sync(self) -> None:
+        self.backend.sync()
+
+    # -- runs and manifests ----------------------------------------------------------------
+    def list_runs(self) -> list[str]:
+        runs = []
+        for name in self.backend.list("runs"):
+            try:
+                validate_run_name(name)
+            except ValueError:
+                continue
+            runs.append(name)
+        return runs
+
+    def list_steps(self, run: str) -> list[int]:
+        """Committed steps of ``run`` in ascending order."""
+        names = self.backend.list(f"runs/{validate_run_name(run)}/checkpoints")
+        return sorted(int(m.group(1)) for n in names if (m := _STEP_FILE.match(n)))
+
+    def read_manifest(self, run: str, step: int) -> bytes:
+        try:
+            return self.backend.read_bytes(self.manifest_key(run, step))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint {run}@{step} in {self.backend.url}"
+            ) from None
+
+    def commit_manifest(self, run: str, step: int, data: bytes, *, overwrite: bool) -> None:
+        """Make a checkpoint visible: every object must already be durable (call sync())."""
+        key = self.manifest_key(run, step)
+        try:
+            self.backend.put_atomic(key, [data], overwrite=overwrite, durable=True)
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"checkpoint {run}@{step} already exists in {self.backend.url}; pass "
+                "overwrite=True to replace it, or save under another step"
+            ) from None
+        self.backend.sync()
+
+    def delete_manifest(self, run: str, step: int) -> None:
+        self.backend.delete(self.manifest_key(run, step))
+        self.backend.sync()
+
+    def read_run_info(self, run: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.backend.read_bytes(f"runs/{validate_run_name(run)}/run.json"))
+        except FileNotFoundError:
+            return None
+
+    def ensure_run(self, run: str, info: dict[str, Any]) -> None:
+        """Create ``runs/<run>/run.json`` once (the first writer wins)."""
+        key = f"runs/{validate_run_name(run)}/run.json"
+        if self.backend.exists(key):
+            return
+        data = (json.dumps(info, indent=2, sort_keys=True) + "\n").encode()
+        try:
+            self.backend.put_atomic(key, [data], overwrite=False)
+        except FileExistsError:
+            pass
+
+
+def _parse_settings(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        settings = json.loads(raw)
+        version = settings["version"]
+        fmt = settings["format"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreNotFoundError(
+            f"{where}/{SETTINGS_KEY} is not a stepvault settings file"
+        ) from exc
+    if fmt != "stepvault-store":
+        raise StoreNotFoundError(f"{where}/{SETTINGS_KEY}: unexpected format {fmt!r}")
+    if not isinstance(version, int) or version > STORE_FORMAT_VERSION:
+        raise StoreVersionError(
+            f"store at {where} has format version {version!r}, but this stepvault reads up to "
+            f"version {STORE_FORMAT_VERSION}; upgrade stepvault (pip install -U stepvault)"
+        )
+    return settings

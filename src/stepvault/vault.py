@@ -1,0 +1,141 @@
+"""Read-only access to a store: runs, checkpoints, manifests and lazy tensor reads."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .engine import CheckpointReader
+from .errors import CheckpointNotFoundError, IntegrityError, InvalidNameError, StepvaultError
+from .format import Manifest, decode_value, parse_manifest
+from .store import Store, validate_run_name
+
+_REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?$")
+
+
+def parse_ref(text: str) -> tuple[str, int | str | None]:
+    """Parse ``RUN``, ``RUN@STEP`` or ``RUN@latest`` into ``(run, step)``; step None if absent."""
+    m = _REF.match(text or "")
+    if not m:
+        raise InvalidNameError(
+            f"bad checkpoint reference {text!r}; expected RUN, RUN@STEP or RUN@latest"
+        )
+    run = validate_run_name(m.group("run"))
+    step = m.group("step")
+    if step is None or step == "latest":
+        return run, step
+    return run, int(step)
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """One line of a listing."""
+
+    run: str
+    step: int
+    epoch: int | None
+    created: float
+    kind: str
+    metrics: dict[str, float]
+    logical_bytes: int
+    stored_bytes: int
+    new_bytes: int
+    tensors: int
+    error: str | None = None
+
+
+class Checkpoint:
+    """One committed checkpoint: metadata at once, tensors on demand (verified when read)."""
+
+    def __init__(self, store: Store, manifest: Manifest) -> None:
+        self.store = store
+        self.manifest = manifest
+        self._reader = CheckpointReader(store, manifest)
+
+    run = property(lambda self: self.manifest.run)
+    step = property(lambda self: self.manifest.step)
+    epoch = property(lambda self: self.manifest.epoch)
+    metrics = property(lambda self: dict(self.manifest.metrics))
+
+    @property
+    def metadata(self) -> Any:
+        return decode_value(self.manifest.metadata, lambda kind, name: None)
+
+    def tensor_names(self) -> list[str]:
+        """Stored tensor names, e.g. ``model/fc.weight``, ``optimizer/state/0/exp_avg``."""
+        return list(self.manifest.tensors)
+
+    def tensor(self, name: str) -> Any:
+        """Read one tensor lazily: only its objects are fetched (and verified)."""
+        return self._reader.read(name)
+
+    def load(self) -> dict[str, Any]:
+        """The whole saved state as plain state dicts (no live objects needed)."""
+        arrays = self._reader.read_all()
+        return decode_value(self.manifest.state, lambda kind, name: arrays[name])
+
+    def __repr__(self) -> str:
+        return f"<Checkpoint {self.run}@{self.step} tensors={len(self.manifest.tensors)}>"
+
+
+class Vault:
+    """A store opened for reading (``stepvault.open(root)``)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @property
+    def url(self) -> str:
+        return self.store.backend.url
+
+    def runs(self) -> list[str]:
+        """Run names in the store."""
+        return self.store.list_runs()
+
+    def steps(self, run: str) -> list[int]:
+        """Committed steps of ``run``, ascending (no manifest is read)."""
+        return self.store.list_steps(run)
+
+    def manifest(self, run: str, step: int) -> Manifest:
+        """Parsed and checksum-verified manifest of ``run@step``."""
+        return parse_manifest(self.store.read_manifest(run, step), f"{run}@{step}")
+
+    def checkpoint(self, run: str, step: int | str | None = "latest") -> Checkpoint:
+        """A :class:`Checkpoint`; ``run`` may be a ``RUN@STEP`` reference."""
+        if "@" in run:
+            run, step = parse_ref(run)
+        if step in (None, "latest"):
+            steps = self.steps(run)
+            if not steps:
+                raise CheckpointNotFoundError(f"run {run!r} has no checkpoints in {self.url}")
+            step = steps[-1]
+        return Checkpoint(self.store, self.manifest(run, int(step)))
+
+    def checkpoints(self, run: str) -> list[CheckpointSummary]:
+        """Summaries of every checkpoint of ``run`` (damaged manifests show their error)."""
+        out = []
+        for step in self.steps(run):
+            try:
+                m = self.manifest(run, step)
+            except (IntegrityError, StepvaultError) as exc:
+                out.append(CheckpointSummary(run, step, None, 0.0, "?", {}, 0, 0, 0, 0, str(exc)))
+                continue
+            out.append(
+                CheckpointSummary(
+                    run=run,
+                    step=step,
+                    epoch=m.epoch,
+                    created=m.created,
+                    kind=m.kind,
+                    metrics=dict(m.metrics),
+                    logical_bytes=m.logical_bytes,
+                    stored_bytes=m.stored_bytes,
+                    new_bytes=int(m.stats.get("new_bytes", 0)),
+                    tensors=len(m.tensors),
+                )
+            )
+        return out
+
+    def __repr__(self) -> str:
+        return f"<Vault {self.url}>"
