@@ -10,7 +10,16 @@ Content-addressed, verified, pickle-free checkpoints::
 
 __version__ = "0.1.0"
 
-from .api import RestoreInfo, SaveInfo, SkippedCheckpoint, open, restore, save
+from .api import (
+    RestoreInfo,
+    SaveInfo,
+    SkippedCheckpoint,
+    open,
+    restore,
+    save,
+    usage,
+    verify,
+)
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 from .format.encoding import register_type, unregister_type
@@ -32,5 +41,7 @@ __all__ = [
     "restore",
     "save",
     "unregister_type",
+    "usage",
+    "verify",
     *_errors_all,
 ]

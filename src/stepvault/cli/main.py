@@ -1,0 +1,247 @@
+"""``stepvault`` command line: ls, show, verify, du (human tables, ``--json`` for scripts)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .. import api
+from ..errors import StepvaultError
+from ..vault import parse_ref
+
+app = typer.Typer(
+    help="stepvault: content-addressed, verified, pickle-free training checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+RootOpt = Annotated[
+    str | None,
+    typer.Option("--root", "-r", help="Store location (default: the global --root)."),
+]
+_GLOBAL = {"root": "."}
+
+
+@app.callback()
+def _global_options(
+    root: Annotated[
+        str,
+        typer.Option(
+            "--root", "-r", envvar="STEPVAULT_ROOT", help="Store location (or $STEPVAULT_ROOT)."
+        ),
+    ] = ".",
+) -> None:
+    """stepvault: content-addressed, verified, pickle-free training checkpoints."""
+    _GLOBAL["root"] = root
+
+
+def _root(root: str | None) -> str:
+    return root if root is not None else _GLOBAL["root"]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _time(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "?"
+
+
+def _emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _fail(exc: Exception) -> None:
+    err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    raise typer.Exit(2)
+
+
+@app.command("ls")
+def ls_cmd(
+    run: Annotated[str | None, typer.Argument(help="Run to list; all runs when omitted.")] = None,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs, or the checkpoints of RUN with step, time, sizes and metrics."""
+    try:
+        vault = api.open(_root(root))
+        if run is None:
+            rows = []
+            for name in vault.runs():
+                steps = vault.steps(name)
+                rows.append(
+                    {"run": name, "checkpoints": len(steps), "latest": steps[-1] if steps else None}
+                )
+            if as_json:
+                return _emit_json(rows)
+            table = Table("run", "checkpoints", "latest step", title=f"runs in {vault.url}")
+            for r in rows:
+                table.add_row(r["run"], str(r["checkpoints"]), str(r["latest"]))
+            console.print(table)
+            return None
+        summaries = vault.checkpoints(run)
+    except StepvaultError as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json([s.__dict__ for s in summaries])
+    table = Table(
+        "step", "epoch", "time", "logical", "stored", "new", "metrics", title=f"run {run}"
+    )
+    for s in summaries:
+        if s.error:
+            table.add_row(str(s.step), "", "", "", "", "", f"[red]DAMAGED: {s.error}[/]")
+            continue
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in s.metrics.items())
+        table.add_row(
+            str(s.step),
+            "" if s.epoch is None else str(s.epoch),
+            _time(s.created),
+            human_bytes(s.logical_bytes),
+            human_bytes(s.stored_bytes),
+            human_bytes(s.new_bytes),
+            metrics,
+        )
+    console.print(table)
+    return None
+
+
+@app.command("show")
+def show_cmd(
+    ref: Annotated[str, typer.Argument(help="RUN@STEP (or RUN for the latest).")],
+    root: RootOpt = None,
+    tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one checkpoint: metadata, metrics, sizes, state layout and (optionally) tensors."""
+    try:
+        run, step = parse_ref(ref)
+        ckpt = api.open(_root(root)).checkpoint(run, step)
+    except StepvaultError as exc:
+        return _fail(exc)
+    m = ckpt.manifest
+    if as_json:
+        doc = m.to_json()
+        doc.pop("state", None)
+        if not tensors:
+            doc["tensors"] = len(m.tensors)
+            doc["objects"] = len(m.objects)
+        return _emit_json(doc)
+    console.print(
+        f"[bold]{m.run}@{m.step}[/]  kind={m.kind}  epoch={m.epoch}  "
+        f"parent={m.parent_step}  created={_time(m.created)}",
+        highlight=False,
+    )
+    console.print(
+        f"tensors: {len(m.tensors)}  objects: {len(m.objects)}  "
+        f"logical: {human_bytes(m.logical_bytes)}  stored: {human_bytes(m.stored_bytes)}"
+        f"  new in this save: {human_bytes(m.stats.get('new_bytes', 0))}",
+        highlight=False,
+    )
+    if m.metrics:
+        console.print("metrics: " + ", ".join(f"{k}={v:.6g}" for k, v in m.metrics.items()))
+    console.print("state: " + ", ".join(f"{k} ({v})" for k, v in m.state_kinds.items()))
+    console.print(f"environment: {m.environment}", highlight=False)
+    if tensors:
+        table = Table("tensor", "dtype", "shape", "bytes", "chunks")
+        for name, t in m.tensors.items():
+            table.add_row(
+                name, t.dtype, str(tuple(t.shape)), human_bytes(t.nbytes), str(len(t.chunks))
+            )
+        console.print(table)
+    return None
+
+
+@app.command("verify")
+def verify_cmd(
+    ref: Annotated[
+        str | None, typer.Argument(help="RUN or RUN@STEP; everything if omitted.")
+    ] = None,
+    root: RootOpt = None,
+    deep: Annotated[bool, typer.Option("--deep", help="Decode and re-hash every object.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check checkpoints; exits 1 if anything is damaged or missing, 2 on usage errors."""
+    try:
+        run, step = parse_ref(ref) if ref else (None, None)
+        if step == "latest":
+            steps = api.open(_root(root)).steps(run)
+            step = steps[-1] if steps else None
+        report = api.verify(_root(root), run, step, deep=deep)
+    except StepvaultError as exc:
+        return _fail(exc)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        mode = "deep" if deep else "quick"
+        for c in report.checkpoints:
+            if c.ok:
+                console.print(f"[green]ok[/]       {c.run}@{c.step}", highlight=False)
+            else:
+                console.print(f"[red]DAMAGED[/]  {c.run}@{c.step}", highlight=False)
+                for p in c.problems:
+                    console.print(f"         - {p}", highlight=False)
+        console.print(
+            f"{mode} verify: {len(report.checkpoints)} checkpoints, {report.objects_checked} "
+            f"objects ({human_bytes(report.bytes_checked)}), {len(report.damaged)} damaged",
+            highlight=False,
+        )
+    if not report.ok or (not report.checkpoints and ref):
+        raise typer.Exit(1)
+    return None
+
+
+@app.command("du")
+def du_cmd(root: RootOpt = None, as_json: JsonOpt = False) -> None:
+    """Logical vs stored bytes, with dedup and compression savings."""
+    try:
+        u = api.usage(_root(root))
+    except StepvaultError as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(u.to_json())
+    table = Table("run", "checkpoints", "logical", "unique stored", title="usage by run")
+    for r in u.runs:
+        table.add_row(
+            r.run,
+            str(r.checkpoints),
+            human_bytes(r.logical_bytes),
+            human_bytes(r.unique_stored_bytes),
+        )
+    console.print(table)
+    ratio = u.stored_bytes / u.logical_bytes if u.logical_bytes else 0.0
+    console.print(
+        f"logical (full copies): {human_bytes(u.logical_bytes)}\n"
+        f"after dedup:           {human_bytes(u.raw_bytes)}  "
+        f"(saved {human_bytes(u.dedup_savings)})\n"
+        f"stored:                {human_bytes(u.stored_bytes)}  "
+        f"(compression saved {human_bytes(u.compression_savings)})\n"
+        f"stored / logical:      {ratio:.3f}\n"
+        f"objects: {u.objects}; unreferenced: {u.unreferenced_objects} "
+        f"({human_bytes(u.unreferenced_bytes)})",
+        highlight=False,
+    )
+    return None
+
+
+def main() -> None:
+    """Entry point of the ``stepvault`` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
