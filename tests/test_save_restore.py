@@ -1,0 +1,265 @@
+"""Save and restore of full training state through the public API."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from training import Trainer, assert_same_training_state, make_model
+
+import stepvault
+
+
+def test_exact_resume_is_bitwise_equal(tmp_path):
+    """Train N steps straight vs. stop at k, restore into fresh objects, continue to N."""
+    n, k = 30, 17  # k lands mid-epoch (12 batches per epoch)
+    reference = Trainer()
+    reference.train(n)
+
+    first = Trainer()
+    first.train(k)
+    stepvault.save(tmp_path, first.state, run="r", step=k, epoch=first.data["epoch"])
+    # Disturb every global RNG, as a fresh process would have different states.
+    torch.manual_seed(999)
+    np.random.seed(999)
+    random.seed(999)
+
+    resumed = Trainer(seed=5)  # different init: everything must come from the checkpoint
+    state = resumed.state
+    info = stepvault.restore(tmp_path, state, run="r")
+    resumed.load_from(state)
+    assert info.step == k and info.epoch == 1 and info.skipped == []
+    assert resumed.step == k
+    resumed.train(n)
+    assert_same_training_state(reference, resumed)
+
+
+def test_restore_roundtrips_values_arrays_and_rng(tmp_path):
+    gen_np = np.random.default_rng(7)
+    gen_torch = torch.Generator().manual_seed(3)
+    rng = stepvault.RNGState(generators=[gen_np, gen_torch])
+    big = 2**70 + 1
+    values = {"a": (1, 2.5, -0.0, float("inf")), 3: b"\x00\xff", "$weird": [None, True, big]}
+    arr = np.arange(12, dtype=np.float64).reshape(3, 4)
+    tensor = torch.arange(6, dtype=torch.bfloat16)
+    state = {"values": values, "arr": arr, "t": tensor, "rng": rng, "nan": float("nan")}
+    stepvault.save(tmp_path, state, run="r", step=1, metadata={"note": "hi", "k": [1, 2]})
+    expected = (
+        random.random(),
+        np.random.rand(),
+        torch.rand(1),
+        gen_np.random(),
+        torch.rand(1, generator=gen_torch),
+    )
+
+    live_arr = np.zeros((3, 4))
+    live_t = torch.zeros(6, dtype=torch.bfloat16)
+    live = {"values": None, "arr": live_arr, "t": live_t, "rng": rng, "nan": 0.0}
+    info = stepvault.restore(tmp_path, live, run="r", step=1)
+    assert info.metadata == {"note": "hi", "k": [1, 2]}
+    assert live["values"] == values
+    assert math.copysign(1.0, live["values"]["a"][2]) == -1.0
+    assert live["arr"] is live_arr and np.array_equal(live_arr, arr)  # restored in place
+    assert live["t"] is live_t and torch.equal(live_t, tensor)
+    assert math.isnan(live["nan"])
+    got = (
+        random.random(),
+        np.random.rand(),
+        torch.rand(1),
+        gen_np.random(),
+        torch.rand(1, generator=gen_torch),
+    )
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+    assert got[3] == expected[3] and torch.equal(got[4], expected[4])
+
+
+def test_grad_scaler_and_custom_stateful(tmp_path):
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    c = Counter()
+    c.n = 41
+    stepvault.save(tmp_path, {"scaler": scaler, "counter": c}, run="r", step=0)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
+    c2 = Counter()
+    stepvault.restore(tmp_path, {"scaler": scaler2, "counter": c2}, run="r")
+    assert c2.n == 41
+    assert scaler2.get_scale() == 1024.0
+
+
+def test_mismatch_is_reported_at_once_and_changes_nothing(tmp_path):
+    model = make_model(width=32)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    stepvault.save(tmp_path, {"model": model, "optimizer": opt, "step": 5}, run="r", step=1)
+
+    other = make_model(width=48, seed=1)  # different hidden width: shapes differ
+    other_opt = torch.optim.AdamW(other.parameters())
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    live = {"model": other, "optimizer": other_opt, "step": 0}
+    with pytest.raises(stepvault.StateMismatchError) as exc:
+        stepvault.restore(tmp_path, live, run="r")
+    msg = str(exc.value)
+    assert "model.0.weight: shape (32, 16) in checkpoint, (48, 16) live" in msg
+    assert "exp_avg" in msg  # optimizer state shapes checked as well
+    assert len(exc.value.problems) >= 4
+    assert live["step"] == 0
+    assert other_opt.state_dict()["state"] == {}
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_missing_and_unexpected_keys(tmp_path):
+    model = make_model()
+    stepvault.save(tmp_path, {"model": model}, run="r", step=1)
+    live = {"model": make_model(), "extra": 1}
+    with pytest.raises(stepvault.StateMismatchError, match="extra: not in checkpoint"):
+        stepvault.restore(tmp_path, live, run="r")
+    info = stepvault.restore(tmp_path, live, run="r", strict=False)
+    assert info.step == 1 and live["extra"] == 1
+    wrapper = torch.nn.Sequential(make_model())  # keys gain a "0." prefix
+    with pytest.raises(stepvault.StateMismatchError, match="missing keys"):
+        stepvault.restore(tmp_path, {"model": wrapper}, run="r")
+
+
+def test_wrong_kind_and_dtype(tmp_path):
+    model = make_model()
+    stepvault.save(tmp_path, {"model": model, "t": torch.zeros(3)}, run="r", step=1)
+    with pytest.raises(stepvault.StateMismatchError) as exc:
+        stepvault.restore(
+            tmp_path,
+            {"model": make_model().to(torch.float64), "t": torch.zeros(3, dtype=torch.int32)},
+            run="r",
+        )
+    text = str(exc.value)
+    assert "dtype torch.float32 in checkpoint, torch.float64 live" in text
+    assert "t: checkpoint holds (3,) torch.float32, live is (3,) torch.int32" in text
+
+
+def test_unencodable_value_refused_before_writing(tmp_path):
+    class Opaque:
+        pass
+
+    with pytest.raises(stepvault.UnsupportedTypeError) as exc:
+        stepvault.save(tmp_path, {"cfg": {"inner": [1, Opaque()]}}, run="r", step=1)
+    assert "state['cfg']['inner'][1]" in str(exc.value)
+    assert "Opaque" in str(exc.value) and "register_type" in str(exc.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_register_type_converter(tmp_path):
+    from fractions import Fraction
+
+    stepvault.register_type(
+        Fraction,
+        "fractions.Fraction",
+        lambda f: [f.numerator, f.denominator],
+        lambda v: Fraction(*v),
+    )
+    try:
+        stepvault.save(tmp_path, {"x": {"f": Fraction(3, 7)}}, run="r", step=1)
+        live = {"x": None}
+        stepvault.restore(tmp_path, live, run="r")
+        assert live["x"] == {"f": Fraction(3, 7)}
+    finally:
+        stepvault.unregister_type(Fraction)
+    with pytest.raises(stepvault.UnsupportedTypeError, match="register_type"):
+        stepvault.restore(tmp_path, {"x": None}, run="r")
+
+
+def test_lazy_tensor_read_and_load(tmp_path):
+    model = make_model()
+    stepvault.save(tmp_path, {"model": model, "step": 3}, run="r", step=3)
+    vault = stepvault.open(tmp_path)
+    assert vault.runs() == ["r"] and vault.steps("r") == [3]
+    ckpt = vault.checkpoint("r@3")
+    assert "model/0.weight" in ckpt.tensor_names()
+    w = ckpt.tensor("model/0.weight")
+    assert torch.equal(w, model.state_dict()["0.weight"])
+    w2 = ckpt.tensor("model/0.weight")
+    w2.add_(1)  # tensors handed out never alias each other
+    assert torch.equal(w, model.state_dict()["0.weight"])
+    full = ckpt.load()
+    assert full["step"] == 3 and set(full["model"]) == set(model.state_dict())
+    with pytest.raises(KeyError, match="tensor_names"):
+        ckpt.tensor("model/nope")
+
+
+def test_deduplicated_tensors_do_not_alias_after_restore(tmp_path):
+    # Two identical tensors share one object; restored, they must be independent.
+    a, b = torch.zeros(300_000), torch.zeros(300_000)
+    stepvault.save(tmp_path, {"x": {"a": a, "b": b}}, run="r", step=1)
+    live = {"x": None}
+    stepvault.restore(tmp_path, live, run="r")
+    live["x"]["a"].add_(1)
+    assert float(live["x"]["b"].sum()) == 0.0
+
+
+def test_large_tensor_is_chunked_and_restored(tmp_path):
+    from stepvault.store import Store
+
+    store = Store.open(
+        tmp_path, create=True, defaults={"chunk_size": 64 << 10, "small_tensor": 16 << 10}
+    )
+    assert store.settings["chunk_size"] == 64 << 10
+    t = torch.randn(100_003)  # 400 KB, not a multiple of the chunk size
+    info = stepvault.save(tmp_path, {"t": t}, run="r", step=1)
+    assert info.objects == 7
+    live = {"t": torch.zeros(100_003)}
+    stepvault.restore(tmp_path, live, run="r")
+    assert torch.equal(live["t"], t)
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "float", "auto"])
+def test_every_codec_setting_roundtrips(tmp_path, codec):
+    state = {
+        "f32": torch.randn(70_000) * 0.02,
+        "bf16": (torch.randn(600_000) * 0.02).to(torch.bfloat16),
+        "f16": torch.randn(5_000).half(),
+        "i64": torch.arange(1000),
+        "b": torch.rand(100) > 0.5,
+    }
+    state["f32"][:4] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")])
+    info = stepvault.save(tmp_path, state, run="r", step=1, codec=codec)
+    if codec in ("float", "auto"):
+        assert info.stored_bytes < 0.9 * info.logical_bytes
+    live = {k: torch.empty_like(v) for k, v in state.items()}
+    stepvault.restore(tmp_path, live, run="r")
+    for k, v in state.items():
+        assert torch.equal(
+            live[k].view(torch.uint8) if v.dtype != torch.bool else live[k],
+            v.view(torch.uint8) if v.dtype != torch.bool else v,
+        ), k
+
+
+def test_existing_step_is_not_overwritten_silently(tmp_path):
+    stepvault.save(tmp_path, {"x": 1}, run="r", step=1)
+    with pytest.raises(stepvault.CheckpointExistsError, match="overwrite=True"):
+        stepvault.save(tmp_path, {"x": 2}, run="r", step=1)
+    stepvault.save(tmp_path, {"x": 3}, run="r", step=1, overwrite=True)
+    live = {"x": 0}
+    stepvault.restore(tmp_path, live, run="r")
+    assert live["x"] == 3
+
+
+def test_restore_of_missing_run(tmp_path):
+    assert stepvault.restore(tmp_path, {}, run="r", missing_ok=True) is None
+    stepvault.save(tmp_path, {"x": 1}, run="other", step=1)
+    assert stepvault.restore(tmp_path, {}, run="r", missing_ok=True) is None
+    with pytest.raises(stepvault.CheckpointNotFoundError, match="other"):
+        stepvault.restore(tmp_path, {}, run="r")
+    with pytest.raises(stepvault.CheckpointNotFoundError):
+        stepvault.restore(tmp_path, {"x": 0}, run="other", step=7)

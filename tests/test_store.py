@@ -1,0 +1,154 @@
+"""Store layer: layout, format version, names, atomic commit, out-of-space."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import stepvault
+from stepvault.cli.main import app
+from stepvault.store import Store
+
+
+def test_layout_and_settings(tmp_path):
+    stepvault.save(tmp_path, {"t": torch.ones(3)}, run="exp1", step=7)
+    settings = json.loads((tmp_path / "stepvault.json").read_text())
+    assert settings["format"] == "stepvault-store" and settings["version"] == 1
+    assert (tmp_path / "runs" / "exp1" / "checkpoints" / "7.json").is_file()
+    assert (tmp_path / "runs" / "exp1" / "run.json").is_file()
+    objects = list((tmp_path / "objects").glob("*/*"))
+    assert objects and all(p.parent.name == p.name[:2] for p in objects)
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_newer_store_version_is_refused(tmp_path):
+    stepvault.save(tmp_path, {"t": torch.ones(3)}, run="r", step=1)
+    path = tmp_path / "stepvault.json"
+    settings = json.loads(path.read_text())
+    settings["version"] = 2
+    path.write_text(json.dumps(settings))
+    for call in (
+        lambda: stepvault.open(tmp_path),
+        lambda: stepvault.restore(tmp_path, {"t": torch.zeros(3)}, run="r"),
+        lambda: stepvault.save(tmp_path, {"t": torch.ones(3)}, run="r", step=2),
+    ):
+        with pytest.raises(stepvault.StoreVersionError, match="upgrade stepvault"):
+            call()
+
+
+def test_not_a_store(tmp_path):
+    with pytest.raises(stepvault.StoreNotFoundError, match="no stepvault store"):
+        stepvault.open(tmp_path)
+
+
+@pytest.mark.parametrize("run", ["../escape", "a/b", "..", "", "a\\b", "x" * 200, ".hidden"])
+def test_unsafe_run_names_are_refused(tmp_path, run):
+    with pytest.raises(stepvault.InvalidNameError, match="run name"):
+        stepvault.save(tmp_path / "s", {"t": torch.ones(1)}, run=run, step=1)
+    assert not (tmp_path / "s").exists()
+    assert not (tmp_path / "escape").exists()
+
+
+def test_bad_steps_are_refused(tmp_path):
+    for step in (-1, 1.5, "3", True):
+        with pytest.raises(stepvault.InvalidNameError, match="step"):
+            stepvault.save(tmp_path, {"t": torch.ones(1)}, run="r", step=step)
+
+
+def test_tensor_names_with_separators_are_escaped_not_paths(tmp_path):
+    state = {
+        "x": {"../../etc/passwd": torch.ones(2), "a/b": torch.zeros(2), "a%2Fb": torch.ones(1)}
+    }
+    stepvault.save(tmp_path, state, run="r", step=1)
+    names = stepvault.open(tmp_path).checkpoint("r").tensor_names()
+    assert names == ["x/..%2F..%2Fetc%2Fpasswd", "x/a%2Fb", "x/a%252Fb"]
+    live = {"x": None}
+    stepvault.restore(tmp_path, live, run="r")
+    assert set(live["x"]) == set(state["x"])
+    assert not (tmp_path.parent / "etc").exists()
+
+
+def test_failure_before_commit_leaves_no_checkpoint(tmp_path, monkeypatch):
+    stepvault.save(tmp_path, {"t": torch.ones(100)}, run="r", step=1)
+
+    def crash(self, *a, **k):
+        raise OSError("simulated crash between objects and manifest")
+
+    monkeypatch.setattr(Store, "commit_manifest", crash)
+    with pytest.raises(OSError, match="simulated"):
+        stepvault.save(tmp_path, {"t": torch.full((100,), 2.0)}, run="r", step=2)
+    monkeypatch.undo()
+    assert stepvault.open(tmp_path).steps("r") == [1]
+    live = {"t": torch.zeros(100)}
+    assert stepvault.restore(tmp_path, live, run="r").step == 1
+    assert float(live["t"].sum()) == 100.0
+    # the orphaned object is visible to du, and never to restore
+    assert stepvault.usage(tmp_path).unreferenced_objects == 1
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 2 MiB tmpfs (needs root); skipped cleanly where it cannot be mounted."""
+    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_out_of_space_keeps_earlier_checkpoints(tiny_fs):
+    small = {"t": torch.arange(1000, dtype=torch.float32)}
+    stepvault.save(tiny_fs, small, run="r", step=1)
+    big = {"t": torch.randn(1_000_000)}  # 4 MB: cannot fit
+    with pytest.raises(stepvault.OutOfSpaceError, match="earlier checkpoints are intact"):
+        stepvault.save(tiny_fs, big, run="r", step=2)
+    assert os.listdir(tiny_fs / "tmp") == []
+    assert stepvault.open(tiny_fs).steps("r") == [1]
+    live = {"t": torch.zeros(1000)}
+    assert stepvault.restore(tiny_fs, live, run="r").step == 1
+    assert torch.equal(live["t"], small["t"])
+    assert stepvault.verify(tiny_fs, deep=True).ok
+
+
+def test_cli_ls_show_du(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    for step in (10, 20):
+        stepvault.save(
+            tmp_path,
+            {"model": model},
+            run="exp1",
+            step=step,
+            metrics={"loss": 1.0 / step},
+            codec="auto",
+        )
+    runner = CliRunner()
+    out = runner.invoke(app, ["-r", str(tmp_path), "ls"])
+    assert out.exit_code == 0 and "exp1" in out.output
+    out = runner.invoke(app, ["-r", str(tmp_path), "ls", "exp1", "--json"])
+    rows = json.loads(out.output)
+    assert [r["step"] for r in rows] == [10, 20]
+    assert rows[0]["metrics"] == {"loss": 0.1} and rows[1]["new_bytes"] == 0
+    assert rows[0]["stored_bytes"] < rows[0]["logical_bytes"]  # float codec
+    out = runner.invoke(app, ["-r", str(tmp_path), "show", "exp1@20", "--tensors"])
+    assert out.exit_code == 0 and "model/weight" in out.output and "loss=0.05" in out.output
+    out = runner.invoke(app, ["-r", str(tmp_path), "du", "--json"])
+    du = json.loads(out.output)
+    assert du["checkpoints"] == 2 and du["dedup_savings_bytes"] >= rows[0]["logical_bytes"] - 64
+    assert du["compression_savings_bytes"] > 0
+    out = runner.invoke(app, ["-r", str(tmp_path), "show", "exp1@99"])
+    assert out.exit_code == 2 and "no committed checkpoint exp1@99" in out.output
+    out = runner.invoke(app, ["-r", str(tmp_path / "nope"), "ls"])
+    assert out.exit_code == 2 and "no stepvault store" in out.output
