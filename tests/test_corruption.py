@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,9 +85,9 @@ def test_truncated_and_missing_objects(two_checkpoints):
 def test_damaged_manifest_is_skipped(two_checkpoints):
     root, _, _ = two_checkpoints
     path = os.path.join(root, "runs", "r", "checkpoints", "2.json")
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[-10] ^= 0x20
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     report = stepvault.verify(root)
     assert "checksum" in report.damaged[0].problems[0]
     info = stepvault.restore(root, _live(), run="r")
@@ -96,9 +97,9 @@ def test_damaged_manifest_is_skipped(two_checkpoints):
 def test_unknown_codec_is_an_error_not_garbage(two_checkpoints):
     root, only2, _ = two_checkpoints
     path = _object_path(root, next(iter(only2)))
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     assert b'"codec":"raw"' in data
-    open(path, "wb").write(data.replace(b'"codec":"raw"', b'"codec":"lz9"', 1))
+    Path(path).write_bytes(data.replace(b'"codec":"raw"', b'"codec":"lz9"', 1))
     report = stepvault.verify(root, deep=True)
     assert "unknown codec 'lz9'" in report.damaged[0].problems[0]
     assert stepvault.restore(root, _live(), run="r").step == 1
@@ -107,10 +108,10 @@ def test_unknown_codec_is_an_error_not_garbage(two_checkpoints):
 def test_newer_manifest_version_is_refused(two_checkpoints):
     root, _, _ = two_checkpoints
     path = os.path.join(root, "runs", "r", "checkpoints", "2.json")
-    head, body = open(path, "rb").read().split(b"\n", 1)
+    head, body = Path(path).read_bytes().split(b"\n", 1)
     env = json.loads(head)
     env["version"] = 99
-    open(path, "wb").write(json.dumps(env).encode() + b"\n" + body)
+    Path(path).write_bytes(json.dumps(env).encode() + b"\n" + body)
     with pytest.raises(stepvault.StoreVersionError, match="upgrade"):
         stepvault.restore(root, _live(), run="r", step=2)
     info = stepvault.restore(root, _live(), run="r")
