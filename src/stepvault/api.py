@@ -20,6 +20,7 @@ from ._env import environment
 from .engine import CheckpointReader, to_host, write_checkpoint
 from .errors import (
     CheckpointNotFoundError,
+    CorruptObjectError,
     IntegrityError,
     NoValidCheckpointError,
     StoreVersionError,
@@ -225,7 +226,8 @@ def restore(
 
     ``step="latest"`` takes the newest committed checkpoint that verifies completely; a
     damaged one is reported in ``RestoreInfo.skipped`` and the next older one is tried. An
-    explicit step never falls back. Everything is read and verified, and the checkpoint is
+    explicit step never falls back. A damaged object is moved to ``quarantine/`` so that
+    no later save deduplicates against it. Everything is read and verified, and the checkpoint is
     checked against the live state (keys, shapes, dtypes, types), before anything in
     ``state`` is changed: a failed restore leaves the training state as it was.
 
@@ -256,9 +258,13 @@ def restore(
         try:
             manifest, tree, nbytes = load_verified(store, run, candidate, workers=workers)
         except (IntegrityError, StoreVersionError) as exc:
+            reason = str(exc)
+            if isinstance(exc, CorruptObjectError) and exc.digest:
+                # A damaged object must not be "deduplicated" into future checkpoints.
+                reason += f" (object moved to {store.quarantine_object(exc.digest)})"
             if step != "latest":
                 raise
-            skipped.append(SkippedCheckpoint(candidate, str(exc)))
+            skipped.append(SkippedCheckpoint(candidate, reason))
             continue
         apply(state, tree, manifest.state_kinds, strict=strict)
         metadata = decode_value(manifest.metadata, lambda kind, name: None)

@@ -50,7 +50,12 @@ class IntegrityError(StepvaultError):
 
 
 class CorruptObjectError(IntegrityError):
-    """An object is truncated, has a damaged header, or its content hash does not match."""
+    """An object is truncated, has a damaged header, or its content hash does not match.
+
+    ``digest`` names the damaged object when known.
+    """
+
+    digest: str | None = None
 
 
 class MissingObjectError(IntegrityError):

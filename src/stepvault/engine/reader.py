@@ -31,7 +31,11 @@ def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryvie
         raise MissingObjectError(
             f"object {digest[:16]}… is missing from {store.backend.url}"
         ) from None
-    raw = decode_object(buf, digest, verify=verify)
+    try:
+        raw = decode_object(buf, digest, verify=verify)
+    except CorruptObjectError as exc:
+        exc.digest = digest
+        raise
     if raw.readonly:
         raw = memoryview(bytearray(raw))
     return raw

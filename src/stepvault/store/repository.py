@@ -131,6 +131,23 @@ class Store:
     def delete_object(self, digest: str) -> None:
         self.backend.delete(self.object_key(digest))
 
+    def quarantine_object(self, digest: str) -> str:
+        """Move a damaged object out of ``objects/`` so dedup never reuses it again.
+
+        The bytes are kept under ``quarantine/<hash>`` for inspection; the next save that
+        needs this content writes a fresh, good copy.
+        """
+        key = self.object_key(digest)
+        target = f"quarantine/{digest}"
+        try:
+            data = self.backend.read_bytes(key)
+        except FileNotFoundError:
+            return target
+        self.backend.put_atomic(target, [data], overwrite=True)
+        self.backend.delete(key)
+        self.backend.sync()
+        return target
+
     def iter_objects(self) -> Iterator[str]:
         """Every object hash present in the store (committed or not)."""
         for prefix in self.backend.list("objects"):
