@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Lint and run the test suite (fast tests by default; pass -m slow, or any pytest args).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_venv.sh
+.venv/bin/ruff check src tests examples benchmarks
+exec .venv/bin/python -m pytest "$@"
