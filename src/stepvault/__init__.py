@@ -23,10 +23,41 @@ from .api import (
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 from .format.encoding import register_type, unregister_type
+from .manager import CheckpointManager, SaveHandle
+from .policy import (
+    AtSteps,
+    Every,
+    FirstStep,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    KeepPeriodic,
+    KeepPinned,
+    KeepWithin,
+    LastStep,
+    OnSignal,
+    YoungDaly,
+)
 from .state import RNGState
+from .store.lease import LeaseHeldError
 from .vault import Checkpoint, CheckpointSummary, Vault, parse_ref
 
 __all__ = [
+    "AtSteps",
+    "CheckpointManager",
+    "Every",
+    "FirstStep",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "KeepPeriodic",
+    "KeepPinned",
+    "KeepWithin",
+    "LastStep",
+    "LeaseHeldError",
+    "OnSignal",
+    "SaveHandle",
+    "YoungDaly",
     "Checkpoint",
     "CheckpointSummary",
     "RNGState",

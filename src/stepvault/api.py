@@ -6,6 +6,7 @@ is made of; they are complete on their own for scripts and tools.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -17,20 +18,22 @@ import numpy as np
 import torch
 
 from ._env import environment
-from .engine import CheckpointReader, to_host, write_checkpoint
+from .engine import CheckpointReader, HostArray, to_host, write_checkpoint
 from .errors import (
     CheckpointNotFoundError,
     CorruptObjectError,
     IntegrityError,
     NoValidCheckpointError,
+    StoreNotFoundError,
     StoreVersionError,
     UnsupportedTypeError,
 )
 from .format import CODEC_CHOICES, Encoder, Manifest, decode_value, parse_manifest
 from .format.chunking import DEFAULT_BUNDLE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_SMALL_TENSOR
 from .ops import StoreUsage, VerifyReport, store_usage, verify_store
-from .state import apply, capture
-from .store import Store, backend_for, validate_run_name, validate_step
+from .state import apply
+from .state.snapshot import Snapshot, take_snapshot
+from .store import Store, validate_run_name, validate_step
 from .vault import Vault
 
 #: Settings recorded in ``stepvault.json`` when a store is created by ``save``.
@@ -59,6 +62,7 @@ class SaveInfo:
     objects: int
     new_objects: int
     seconds: float
+    kind: str = "full"
 
     @property
     def throughput(self) -> float:
@@ -82,6 +86,7 @@ class RestoreInfo:
     metrics: dict[str, float]
     metadata: Any
     created: float
+    kind: str = "full"
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
     seconds: float = 0.0
     bytes_read: int = 0
@@ -112,6 +117,82 @@ def _encode_metadata(metadata: Any) -> Any:
     return None if metadata is None else Encoder(no_arrays).encode(metadata, ("metadata",))
 
 
+def new_manifest(
+    run: str,
+    step: int,
+    snapshot: Snapshot,
+    *,
+    epoch: int | None = None,
+    kind: str = "full",
+    metrics: Mapping[str, Any] | None = None,
+    metadata: Any = None,
+) -> Manifest:
+    """A manifest for ``snapshot`` (tensor and object tables are filled by the writer)."""
+    validate_run_name(run)
+    validate_step(step)
+    if epoch is not None:
+        validate_step(epoch)
+    return Manifest(
+        run=run,
+        step=step,
+        created=time.time(),
+        epoch=epoch,
+        kind=kind,
+        metrics=_encode_metrics(metrics),
+        metadata=_encode_metadata(metadata),
+        state=snapshot.state,
+        state_kinds=snapshot.kinds,
+        environment=environment(),
+    )
+
+
+def open_store_for_writing(root: Root | Store) -> Store:
+    """The store at ``root``, created with the default settings when absent."""
+    if isinstance(root, Store):
+        return root
+    return Store.open(root, create=True, defaults=DEFAULT_STORE_SETTINGS)
+
+
+def write_manifest(
+    store: Store,
+    manifest: Manifest,
+    host: dict[str, HostArray],
+    *,
+    codec: str | None = None,
+    overwrite: bool = False,
+    workers: int | None = None,
+) -> SaveInfo:
+    """Write the staged tensors of one checkpoint and commit its manifest."""
+    if codec is not None and codec not in CODEC_CHOICES:
+        raise ValueError(f"codec must be one of {CODEC_CHOICES}, got {codec!r}")
+    earlier = [s for s in store.list_steps(manifest.run) if s < manifest.step]
+    manifest.parent_step = earlier[-1] if earlier else None
+    store.ensure_run(
+        manifest.run,
+        {"run": manifest.run, "created": manifest.created, "environment": environment()},
+    )
+    stats = write_checkpoint(
+        store,
+        manifest,
+        host,
+        codec=codec or store.settings.get("codec", "raw"),
+        overwrite=overwrite,
+        workers=workers,
+    )
+    return SaveInfo(
+        run=manifest.run,
+        step=manifest.step,
+        epoch=manifest.epoch,
+        logical_bytes=stats.logical_bytes,
+        stored_bytes=stats.stored_bytes,
+        new_bytes=stats.new_bytes,
+        objects=stats.objects,
+        new_objects=stats.new_objects,
+        seconds=stats.seconds,
+        kind=manifest.kind,
+    )
+
+
 def save(
     root: Root,
     state: Mapping[str, Any],
@@ -134,55 +215,23 @@ def save(
     are not written again. The checkpoint becomes visible atomically when its manifest is
     committed; a failed save leaves every earlier checkpoint intact.
 
+    ``kind="weights"`` keeps only the modules of the state (for export or evaluation).
     ``codec`` overrides the store's setting for this save: ``raw``, ``zstd``, ``float`` or
     ``auto``. With ``overwrite=True`` an existing checkpoint of the same step is replaced
     atomically (otherwise :class:`CheckpointExistsError`).
     """
-    validate_run_name(run)
-    validate_step(step)
-    if epoch is not None:
-        validate_step(epoch)
+    t0 = time.perf_counter()
     if codec is not None and codec not in CODEC_CHOICES:
         raise ValueError(f"codec must be one of {CODEC_CHOICES}, got {codec!r}")
-    tree, kinds = capture(state)
-    arrays: dict[str, Any] = {}
-    encoded = Encoder(lambda name, value: arrays.__setitem__(name, value)).encode(tree)
-    manifest = Manifest(
-        run=run,
-        step=step,
-        created=time.time(),
-        epoch=epoch,
-        kind=kind,
-        metrics=_encode_metrics(metrics),
-        metadata=_encode_metadata(metadata),
-        state=encoded,
-        state_kinds=kinds,
-        environment=environment(),
+    validate_run_name(run)
+    snapshot = take_snapshot(state, kind=kind)
+    manifest = new_manifest(
+        run, step, snapshot, epoch=epoch, kind=kind, metrics=metrics, metadata=metadata
     )
-    host = {name: to_host(value) for name, value in arrays.items()}
-    store = Store.open(root, create=True, defaults=DEFAULT_STORE_SETTINGS)
-    earlier = [s for s in store.list_steps(run) if s < step]
-    manifest.parent_step = earlier[-1] if earlier else None
-    store.ensure_run(run, {"run": run, "created": manifest.created, "environment": environment()})
-    stats = write_checkpoint(
-        store,
-        manifest,
-        host,
-        codec=codec or store.settings.get("codec", "raw"),
-        overwrite=overwrite,
-        workers=workers,
-    )
-    return SaveInfo(
-        run=run,
-        step=step,
-        epoch=epoch,
-        logical_bytes=stats.logical_bytes,
-        stored_bytes=stats.stored_bytes,
-        new_bytes=stats.new_bytes,
-        objects=stats.objects,
-        new_objects=stats.new_objects,
-        seconds=stats.seconds,
-    )
+    host = {name: to_host(value) for name, value in snapshot.arrays.items()}
+    store = open_store_for_writing(root)
+    info = write_manifest(store, manifest, host, codec=codec, overwrite=overwrite, workers=workers)
+    return dataclasses.replace(info, seconds=time.perf_counter() - t0)
 
 
 def load_verified(
@@ -212,6 +261,51 @@ def _pick(arrays: dict[str, Any], kind: str, name: str) -> Any:
     return value
 
 
+def restore_candidates(
+    store: Store,
+    state: MutableMapping[str, Any],
+    run: str,
+    candidates: list[int],
+    *,
+    fallback: bool,
+    strict: bool = True,
+    workers: int | None = None,
+) -> RestoreInfo:
+    """Restore the first of ``candidates`` that verifies (all of them tried if ``fallback``)."""
+    t0 = time.perf_counter()
+    skipped: list[SkippedCheckpoint] = []
+    for candidate in candidates:
+        try:
+            manifest, tree, nbytes = load_verified(store, run, candidate, workers=workers)
+        except (IntegrityError, StoreVersionError) as exc:
+            reason = str(exc)
+            if isinstance(exc, CorruptObjectError) and exc.digest:
+                # A damaged object must not be "deduplicated" into future checkpoints.
+                reason += f" (object moved to {store.quarantine_object(exc.digest)})"
+            if not fallback:
+                raise
+            skipped.append(SkippedCheckpoint(candidate, reason))
+            continue
+        apply(state, tree, manifest.state_kinds, strict=strict)
+        metadata = decode_value(manifest.metadata, lambda kind, name: None)
+        return RestoreInfo(
+            run=run,
+            step=manifest.step,
+            epoch=manifest.epoch,
+            metrics=dict(manifest.metrics),
+            metadata=metadata,
+            created=manifest.created,
+            kind=manifest.kind,
+            skipped=skipped,
+            seconds=time.perf_counter() - t0,
+            bytes_read=nbytes,
+        )
+    reasons = "\n  ".join(f"{s.step}: {s.reason}" for s in skipped)
+    raise NoValidCheckpointError(
+        f"no checkpoint of run {run!r} verifies; tried {len(skipped)}:\n  {reasons}", skipped
+    )
+
+
 def restore(
     root: Root,
     state: MutableMapping[str, Any],
@@ -227,61 +321,39 @@ def restore(
     ``step="latest"`` takes the newest committed checkpoint that verifies completely; a
     damaged one is reported in ``RestoreInfo.skipped`` and the next older one is tried. An
     explicit step never falls back. A damaged object is moved to ``quarantine/`` so that
-    no later save deduplicates against it. Everything is read and verified, and the checkpoint is
-    checked against the live state (keys, shapes, dtypes, types), before anything in
-    ``state`` is changed: a failed restore leaves the training state as it was.
+    no later save deduplicates against it. Everything is read and verified, and the
+    checkpoint is checked against the live state (keys, shapes, dtypes, types), before
+    anything in ``state`` is changed: a failed restore leaves the training state as it was.
 
     Returns None when the run has no checkpoint and ``missing_ok`` is true (a fresh start).
     """
-    t0 = time.perf_counter()
     validate_run_name(run)
     try:
         store = Store.open(root)
-    except Exception:
-        if missing_ok and not backend_for(root).exists("stepvault.json"):
+    except StoreNotFoundError:
+        if missing_ok:
             return None
         raise
     steps = store.list_steps(run)
     if step == "latest":
-        candidates = list(reversed(steps))
-        if not candidates:
+        if not steps:
             if missing_ok:
                 return None
             raise CheckpointNotFoundError(
                 f"run {run!r} has no committed checkpoint in {store.backend.url} "
                 f"(runs: {', '.join(store.list_runs()) or 'none'})"
             )
-    else:
-        candidates = [validate_step(step)]
-    skipped: list[SkippedCheckpoint] = []
-    for candidate in candidates:
-        try:
-            manifest, tree, nbytes = load_verified(store, run, candidate, workers=workers)
-        except (IntegrityError, StoreVersionError) as exc:
-            reason = str(exc)
-            if isinstance(exc, CorruptObjectError) and exc.digest:
-                # A damaged object must not be "deduplicated" into future checkpoints.
-                reason += f" (object moved to {store.quarantine_object(exc.digest)})"
-            if step != "latest":
-                raise
-            skipped.append(SkippedCheckpoint(candidate, reason))
-            continue
-        apply(state, tree, manifest.state_kinds, strict=strict)
-        metadata = decode_value(manifest.metadata, lambda kind, name: None)
-        return RestoreInfo(
-            run=run,
-            step=manifest.step,
-            epoch=manifest.epoch,
-            metrics=dict(manifest.metrics),
-            metadata=metadata,
-            created=manifest.created,
-            skipped=skipped,
-            seconds=time.perf_counter() - t0,
-            bytes_read=nbytes,
+        return restore_candidates(
+            store,
+            state,
+            run,
+            list(reversed(steps)),
+            fallback=True,
+            strict=strict,
+            workers=workers,
         )
-    reasons = "\n  ".join(f"{s.step}: {s.reason}" for s in skipped)
-    raise NoValidCheckpointError(
-        f"no checkpoint of run {run!r} verifies; tried {len(skipped)}:\n  {reasons}", skipped
+    return restore_candidates(
+        store, state, run, [validate_step(step)], fallback=False, strict=strict, workers=workers
     )
 
 

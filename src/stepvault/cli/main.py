@@ -46,6 +46,8 @@ def _global_options(
 
 def _root(root: str | None) -> str:
     return root if root is not None else _GLOBAL["root"]
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
 
 

@@ -76,11 +76,24 @@ class _ChunkWriter:
             self._claimed.add(digest)
         if not mine or self.store.has_object(digest):
             # Already stored (earlier checkpoint, or another chunk of this save): free.
+            # Touching it tells a concurrent GC (grace period) that it is in use again.
+            if mine:
+                self.store.touch_object(digest)
             size = self._wait_size(digest)
             return _ChunkResult(digest, ObjectEntry("?", size, raw.nbytes), False)
+        return self.write(plan, raw, digest)
+
+    def write(self, plan: ChunkPlan, raw: memoryview, digest: str) -> _ChunkResult:
         obj = encode_object(raw, choose_codec(self.codec, plan.dtype), plan.dtype, digest)
         self.store.put_object(digest, obj.parts)
         return _ChunkResult(digest, ObjectEntry(obj.codec, obj.size, obj.raw_size), True)
+
+    def ensure_present(self, plans: list[ChunkPlan], results: list[_ChunkResult]) -> None:
+        """Re-write any reused object that vanished meanwhile (a GC that raced this save)."""
+        for plan, res in zip(plans, results):
+            if not res.new and not self.store.has_object(res.digest):
+                fresh = self.write(plan, self._raw(plan), res.digest)
+                res.entry = fresh.entry
 
     def _wait_size(self, digest: str) -> int:
         # A duplicate chunk inside this save may still be in flight in another thread.
@@ -123,6 +136,7 @@ def write_checkpoint(
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
         results = list(pool.map(writer, plans))
 
+    writer.ensure_present(plans, results)
     stats = WriteStats()
     tensors = {name: TensorEntry(a.dtype, list(a.shape), [], a.kind) for name, a in arrays.items()}
     objects: dict[str, ObjectEntry] = {}

@@ -54,7 +54,7 @@ def plan_chunks(
     for a in arrays:
         if a.nbytes == 0:
             continue
-        if a.nbytes < small_tensor:
+        if a.nbytes < small_tensor and a.nbytes <= bundle_size:
             bundle = open_bundles.get(a.dtype)
             start = 0 if bundle is None else -(-bundle.size // BUNDLE_ALIGN) * BUNDLE_ALIGN
             if bundle is None or start + a.nbytes > bundle_size:

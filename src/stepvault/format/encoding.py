@@ -37,6 +37,8 @@ from ..errors import ManifestError, UnsupportedTypeError
 from .dtypes import dtype_from_numpy, dtype_info
 
 _SAFE_INT = 2**53
+#: Most decimal digits an ``$int`` may have (CPython's default int/str conversion limit).
+_MAX_INT_DIGITS = 4300
 _TORCH_DTYPES = {
     name: getattr(torch, name)
     for name in [
@@ -136,7 +138,18 @@ class Encoder:
         if value is None or t is bool or t is str:
             return value
         if t is int:
-            return value if -_SAFE_INT < value < _SAFE_INT else {"$int": str(value)}
+            if -_SAFE_INT < value < _SAFE_INT:
+                return value
+            try:
+                text = str(value)
+            except ValueError:  # beyond sys.int_max_str_digits
+                text = ""
+            if not text or len(text.lstrip("-")) > _MAX_INT_DIGITS:
+                raise UnsupportedTypeError(
+                    f"{_path_text(path)}: int with more than {_MAX_INT_DIGITS} digits cannot be "
+                    "stored; convert it (e.g. to bytes) or register a converter"
+                )
+            return {"$int": text}
         if t is float:
             if math.isfinite(value):
                 return value
@@ -280,7 +293,7 @@ def _decode(obj: Any, get_array):
             return float(arg)
         if tag == "$int":
             text = _expect(arg, str)
-            if len(text) > 4300:
+            if len(text.lstrip("-")) > _MAX_INT_DIGITS:
                 raise ManifestError("$int too long")
             return int(text)
         if tag == "$bytes":
@@ -290,9 +303,14 @@ def _decode(obj: Any, get_array):
         if tag == "$dict":
             out = {}
             for pair in _expect(arg, list):
-                if type(pair) is not list or len(pair) != 2 or type(pair[0]) not in (str, int):
+                if type(pair) is not list or len(pair) != 2:
                     raise ManifestError("bad $dict entry")
-                out[pair[0]] = _decode(pair[1], get_array)
+                key = pair[0]
+                if type(key) is dict and list(key) == ["$int"]:  # int key beyond 2**53
+                    key = _decode(key, get_array)
+                if type(key) not in (str, int):
+                    raise ManifestError("bad $dict entry")
+                out[key] = _decode(pair[1], get_array)
             return out
         if tag == "$npscalar":
             dt, hexdata = _expect(arg, list)
@@ -307,11 +325,15 @@ def _decode(obj: Any, get_array):
             return torch_dtype(_expect(arg, str))
         if tag == "$size":
             dims = _expect(arg, list)
-            if not all(type(d) is int for d in dims):
+            # torch.Size accepts any int but breaks on first use beyond int64.
+            if not all(type(d) is int and -(2**63) <= d < 2**63 for d in dims):
                 raise ManifestError("bad $size")
             return torch.Size(dims)
         if tag == "$device":
-            return torch.device(_expect(arg, str))
+            try:
+                return torch.device(_expect(arg, str))
+            except RuntimeError as exc:  # torch reports bad device strings as RuntimeError
+                raise ManifestError(f"bad $device value: {exc}") from None
         if tag == "$ext":
             name, inner = _expect(arg, list)
             conv = _BY_NAME.get(name)

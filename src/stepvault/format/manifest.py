@@ -129,7 +129,7 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
     try:
         env = json.loads(head)
         fmt, version = env["format"], env["version"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ManifestError(f"{where}: damaged manifest envelope") from exc
     if fmt != "stepvault-manifest":
         raise ManifestError(f"{where}: not a stepvault manifest (format {fmt!r})")
@@ -150,7 +150,7 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         return _from_json(doc)
     except ManifestError as exc:
         raise ManifestError(f"{where}: {exc}") from None
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
         raise ManifestError(f"{where}: manifest violates the schema: {exc!r}") from exc
 
 

@@ -101,7 +101,7 @@ def parse_header(buf: memoryview | bytes) -> ObjectHeader:
         raw_size = header["raw_size"]
         raw_hash = header["raw_blake3"]
         params = header.get("params", {})
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CorruptObjectError(f"damaged object header: {exc}") from exc
     if not isinstance(codec, str) or not isinstance(params, dict):
         raise CorruptObjectError("damaged object header: bad codec or params")

@@ -59,6 +59,17 @@ class Backend(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove ``key``; missing keys are ignored."""
 
+    def touch(self, key: str) -> None:
+        """Mark ``key`` as recently used (its modification time), for GC's grace period."""
+
+    def mtime(self, key: str) -> float:
+        """Modification time of ``key`` (Unix seconds); ``FileNotFoundError`` when absent."""
+        raise NotImplementedError
+
+    def append(self, key: str, data: bytes) -> None:
+        """Append ``data`` to ``key`` (created if absent); used by the event log."""
+        raise NotImplementedError
+
     def sync(self) -> None:
         """Make every visible name created so far durable (directory fsync on local disks)."""
 

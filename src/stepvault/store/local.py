@@ -134,6 +134,25 @@ class LocalBackend(Backend):
             with self._lock:
                 self._dirty.add(os.path.dirname(final))
 
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self._path(key), follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+
+    def mtime(self, key: str) -> float:
+        return os.stat(self._path(key), follow_symlinks=False).st_mtime
+
+    def append(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        self._ensure_dir(os.path.dirname(path))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _NOFOLLOW, 0o644)
+        try:
+            os.write(fd, data)  # one write() per record: O_APPEND keeps records whole
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def delete(self, key: str) -> None:
         try:
             os.unlink(self._path(key))

@@ -6,7 +6,7 @@ import re
 
 from ..errors import InvalidNameError
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")  # \Z: "$" allows a final "\n"
 
 
 def validate_run_name(run: str) -> str:

@@ -128,6 +128,13 @@ class Store:
     def object_size(self, digest: str) -> int:
         return self.backend.size(self.object_key(digest))
 
+    def touch_object(self, digest: str) -> None:
+        """Refresh an object's mtime: a save reuses it, so GC's grace period must cover it."""
+        self.backend.touch(self.object_key(digest))
+
+    def object_mtime(self, digest: str) -> float:
+        return self.backend.mtime(self.object_key(digest))
+
     def delete_object(self, digest: str) -> None:
         self.backend.delete(self.object_key(digest))
 
@@ -199,6 +206,22 @@ class Store:
     def delete_manifest(self, run: str, step: int) -> None:
         self.backend.delete(self.manifest_key(run, step))
         self.backend.sync()
+
+    # -- pins ------------------------------------------------------------------------------
+    def pin(self, run: str, step: int, note: str = "") -> None:
+        """Protect ``run@step`` from every keep policy and GC until unpinned."""
+        self.read_manifest(run, step)  # must exist
+        data = json.dumps({"run": run, "step": step, "note": note, "time": time.time()}).encode()
+        self.backend.put_atomic(
+            f"refs/pins/{validate_run_name(run)}/{validate_step(step)}.json", [data]
+        )
+
+    def unpin(self, run: str, step: int) -> None:
+        self.backend.delete(f"refs/pins/{validate_run_name(run)}/{validate_step(step)}.json")
+
+    def pinned_steps(self, run: str) -> list[int]:
+        names = self.backend.list(f"refs/pins/{validate_run_name(run)}")
+        return sorted(int(m.group(1)) for n in names if (m := _STEP_FILE.match(n)))
 
     def read_run_info(self, run: str) -> dict[str, Any] | None:
         try:
