@@ -73,7 +73,7 @@ class Trainer:
                 self.step += 1
                 self.data["batch"] += 1
                 if on_step is not None:
-                    on_step(self, float(loss))
+                    on_step(self, loss.item())
                 if self.step >= until:
                     break
             if self.data["batch"] >= self.steps_per_epoch:

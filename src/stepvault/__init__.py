@@ -17,13 +17,12 @@ from .api import (
     open,
     restore,
     save,
-    usage,
-    verify,
 )
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 from .format.encoding import register_type, unregister_type
 from .manager import CheckpointManager, SaveHandle
+from .ops import usage, verify
 from .policy import (
     AtSteps,
     Every,

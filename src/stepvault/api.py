@@ -30,7 +30,6 @@ from .errors import (
 )
 from .format import CODEC_CHOICES, Encoder, Manifest, decode_value, parse_manifest
 from .format.chunking import DEFAULT_BUNDLE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_SMALL_TENSOR
-from .ops import StoreUsage, VerifyReport, store_usage, verify_store
 from .state import apply
 from .state.snapshot import Snapshot, take_snapshot
 from .store import Store, validate_run_name, validate_step
@@ -360,22 +359,3 @@ def restore(
 def open(root: Root) -> Vault:
     """Open the store at ``root`` for reading: runs, checkpoints, manifests, lazy tensors."""
     return Vault(Store.open(root))
-
-
-def verify(
-    root: Root,
-    run: str | None = None,
-    step: int | None = None,
-    *,
-    deep: bool = False,
-    workers: int | None = None,
-) -> VerifyReport:
-    """Check checkpoints: quick (objects present, sizes right) or ``deep`` (re-hash all)."""
-    if run is not None:
-        validate_run_name(run)
-    return verify_store(Store.open(root), run=run, step=step, deep=deep, workers=workers)
-
-
-def usage(root: Root) -> StoreUsage:
-    """Logical vs stored bytes of the store, with dedup and compression savings."""
-    return store_usage(Store.open(root))

@@ -11,8 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .. import api
+from .. import api, ops
 from ..errors import StepvaultError
+from ..store import Store
+from ..store.events import log_event, read_events
 from ..vault import parse_ref
 
 app = typer.Typer(
@@ -183,7 +185,7 @@ def verify_cmd(
         if step == "latest":
             steps = api.open(_root(root)).steps(run)
             step = steps[-1] if steps else None
-        report = api.verify(_root(root), run, step, deep=deep)
+        report = ops.verify(_root(root), run, step, deep=deep)
     except StepvaultError as exc:
         return _fail(exc)
     if as_json:
@@ -211,7 +213,7 @@ def verify_cmd(
 def du_cmd(root: RootOpt = None, as_json: JsonOpt = False) -> None:
     """Logical vs stored bytes, with dedup and compression savings."""
     try:
-        u = api.usage(_root(root))
+        u = ops.usage(_root(root))
     except StepvaultError as exc:
         return _fail(exc)
     if as_json:
@@ -237,6 +239,154 @@ def du_cmd(root: RootOpt = None, as_json: JsonOpt = False) -> None:
         f"({human_bytes(u.unreferenced_bytes)})",
         highlight=False,
     )
+    return None
+
+
+def _parse_duration(text: str) -> float:
+    """'90s', '30m', '12h', '7d' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except (ValueError, IndexError):
+        raise typer.BadParameter(f"bad duration {text!r}; use e.g. 90s, 30m, 12h, 7d") from None
+
+
+@app.command("gc")
+def gc_cmd(
+    run: Annotated[
+        str | None, typer.Argument(help="Run to apply keep rules to (needed with --keep-*).")
+    ] = None,
+    root: RootOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show, delete nothing.")] = False,
+    keep_last: Annotated[int | None, typer.Option(help="Keep the N newest.")] = None,
+    keep_best: Annotated[int | None, typer.Option(help="Keep the N best by --metric.")] = None,
+    metric: Annotated[str | None, typer.Option(help="Metric for --keep-best.")] = None,
+    mode: Annotated[str, typer.Option(help="min or max, for --keep-best.")] = "min",
+    keep_every: Annotated[int | None, typer.Option(help="Keep steps divisible by N.")] = None,
+    keep_within: Annotated[str | None, typer.Option(help="Keep all newer than e.g. 7d.")] = None,
+    grace: Annotated[
+        str, typer.Option(help="Never sweep objects younger than this (in-flight saves).")
+    ] = "15m",
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete checkpoints no keep rule keeps (newest, best and pinned always stay), then
+    sweep objects that no checkpoint references. Without --keep-* only the sweep runs."""
+    from ..policy import KeepBest, KeepEvery, KeepLast, KeepWithin
+
+    rules = []
+    if keep_last is not None:
+        rules.append(KeepLast(keep_last))
+    if keep_best is not None:
+        if metric is None:
+            _fail(ValueError("--keep-best needs --metric"))
+        rules.append(KeepBest(keep_best, metric=metric, mode=mode))
+    if keep_every is not None:
+        rules.append(KeepEvery(steps=keep_every))
+    if keep_within is not None:
+        rules.append(KeepWithin(seconds=_parse_duration(keep_within)))
+    keep = None
+    for rule in rules:
+        keep = rule if keep is None else keep | rule
+    try:
+        if keep is not None and run is None:
+            raise ValueError("keep rules apply to one run: stepvault gc RUN --keep-last 3")
+        store = Store.open(_root(root))
+        result = ops.collect_garbage(
+            store, run=run, keep=keep, dry_run=dry_run, grace_seconds=_parse_duration(grace)
+        )
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(result.to_json())
+    if result.plan is not None:
+        console.print(str(result.plan), highlight=False)
+    verb = "would free" if dry_run else "freed"
+    sw = result.sweep
+    console.print(
+        f"{'dry run: ' if dry_run else ''}checkpoints deleted: "
+        f"{len(result.plan.delete) if result.plan else 0}; objects: {len(sw.deleted)} "
+        f"({verb} {human_bytes(sw.freed_bytes)}); younger than the grace period: "
+        f"{sw.kept_in_grace}",
+        highlight=False,
+    )
+    if sw.unreadable_manifests:
+        console.print(
+            f"[yellow]sweep skipped: unreadable manifests {sw.unreadable_manifests} may "
+            "reference objects; fix or remove them first[/]"
+        )
+    return None
+
+
+@app.command("pin")
+def pin_cmd(
+    ref: Annotated[str, typer.Argument(help="RUN@STEP to protect.")],
+    root: RootOpt = None,
+    note: Annotated[str, typer.Option(help="Why it is pinned.")] = "",
+) -> None:
+    """Protect a checkpoint from every keep policy and GC."""
+    try:
+        run, step = parse_ref(ref)
+        if not isinstance(step, int):
+            raise ValueError("pin needs an exact step: RUN@STEP")
+        store = Store.open(_root(root))
+        store.pin(run, step, note)
+        log_event(store, run, "pin", step=step, note=note)
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    console.print(f"pinned {run}@{step}", highlight=False)
+    return None
+
+
+@app.command("unpin")
+def unpin_cmd(ref: Annotated[str, typer.Argument(help="RUN@STEP.")], root: RootOpt = None) -> None:
+    """Remove a pin; the checkpoint is subject to keep policies again."""
+    try:
+        run, step = parse_ref(ref)
+        if not isinstance(step, int):
+            raise ValueError("unpin needs an exact step: RUN@STEP")
+        store = Store.open(_root(root))
+        store.unpin(run, step)
+        log_event(store, run, "unpin", step=step)
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    console.print(f"unpinned {run}@{step}", highlight=False)
+    return None
+
+
+@app.command("events")
+def events_cmd(
+    run: Annotated[str, typer.Argument(help="Run whose event log to print.")],
+    root: RootOpt = None,
+    tail: Annotated[int | None, typer.Option(help="Only the last N events.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The run's event log: saves, restores, deletions, failures (with sizes and stalls)."""
+    try:
+        events = read_events(Store.open(_root(root)), run)
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    if tail is not None:
+        events = events[-tail:]
+    if as_json:
+        return _emit_json(events)
+    table = Table("time", "event", "step", "details", title=f"events of {run}")
+    skip = {"time", "event", "run", "step", "user", "host", "pid"}
+    for e in events:
+        details = []
+        for k, v in e.items():
+            if k in skip or v in (None, [], ""):
+                continue
+            if k.endswith("_bytes") and isinstance(v, int):
+                v = human_bytes(v)
+            elif isinstance(v, float):
+                v = f"{v:.3g}"
+            details.append(f"{k}={v}")
+        table.add_row(
+            _time(e.get("time", 0)), e.get("event", "?"), str(e.get("step", "")), " ".join(details)
+        )
+    console.print(table)
     return None
 
 

@@ -8,6 +8,7 @@ records every save, restore, deletion and failure in the store's event log.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -98,6 +99,31 @@ class _SaveAlways(SavePolicy):
 
     def __repr__(self) -> str:
         return "Always()"
+
+
+def checkpoint_records(
+    store: Store, run: str, cache: dict[int, CheckpointRecord] | None = None
+) -> list[CheckpointRecord]:
+    """Keep-policy records of every committed checkpoint of ``run`` (pins included).
+
+    A manifest that cannot be read gives a record with ``valid=False``.
+    """
+    cache = {} if cache is None else cache
+    pinned = set(store.pinned_steps(run))
+    out = []
+    for step in store.list_steps(run):
+        rec = cache.get(step)
+        if rec is None:
+            try:
+                m = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
+                rec = CheckpointRecord(step, m.created, dict(m.metrics), m.kind, m.epoch)
+            except StepvaultError:
+                rec = CheckpointRecord(step, 0.0, valid=False)
+            cache[step] = rec
+        if (step in pinned) != rec.pinned:
+            rec = dataclasses.replace(rec, pinned=step in pinned)
+        out.append(rec)
+    return out
 
 
 class CheckpointManager:
@@ -256,6 +282,8 @@ class CheckpointManager:
         if self._pending_decision is not None and self._pending_decision[0] == step:
             return self._pending_decision[1]
         decision = self.save_policy.decide(self._context(step, epoch))
+        if decision is not None and not decision.urgent and step == self._last_save_step:
+            decision = None  # already saved (or just restored) at this step
         self._pending_decision = (step, decision)
         return decision
 
@@ -421,22 +449,7 @@ class CheckpointManager:
         return rec
 
     def _all_records(self) -> list[CheckpointRecord]:
-        pinned = set(self.store.pinned_steps(self.run))
-        out = []
-        for step in self.store.list_steps(self.run):
-            rec = self._record(step)
-            if (step in pinned) != rec.pinned:
-                rec = CheckpointRecord(
-                    rec.step,
-                    rec.created,
-                    rec.metrics,
-                    rec.kind,
-                    rec.epoch,
-                    step in pinned,
-                    rec.valid,
-                )
-            out.append(rec)
-        return out
+        return checkpoint_records(self.store, self.run, self._records)
 
     def retention_plan(self) -> RetentionPlan:
         """What the keep policy would delete now, and which rule keeps each survivor."""
@@ -664,4 +677,4 @@ class CheckpointManager:
         )
 
 
-__all__ = ["CheckpointManager", "NoValidCheckpointError", "SaveHandle"]
+__all__ = ["CheckpointManager", "NoValidCheckpointError", "SaveHandle", "checkpoint_records"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,3 +92,8 @@ def store_usage(store: Store, *, scan_unreferenced: bool = True) -> StoreUsage:
                 except FileNotFoundError:
                     pass
     return usage
+
+
+def usage(root: str | os.PathLike[str]) -> StoreUsage:
+    """Logical vs stored bytes of the store, with dedup and compression savings."""
+    return store_usage(Store.open(root))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from ..engine import default_workers, fetch_object
 from ..errors import IntegrityError, StepvaultError
 from ..format import Manifest, parse_manifest
-from ..store import Store
+from ..store import Store, validate_run_name
 
 
 @dataclass
@@ -122,3 +123,17 @@ def verify_store(
                     rep.problems.append(f"object {digest[:16]}…: {report.bad_objects[digest]}")
         report.checkpoints.append(rep)
     return report
+
+
+def verify(
+    root: str | os.PathLike[str],
+    run: str | None = None,
+    step: int | None = None,
+    *,
+    deep: bool = False,
+    workers: int | None = None,
+) -> VerifyReport:
+    """Check checkpoints: quick (objects present, sizes right) or ``deep`` (re-hash all)."""
+    if run is not None:
+        validate_run_name(run)
+    return verify_store(Store.open(root), run=run, step=step, deep=deep, workers=workers)

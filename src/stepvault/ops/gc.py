@@ -1,0 +1,65 @@
+"""Garbage collection as an operation: apply a keep policy to a run, then sweep objects."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.gc import DEFAULT_GRACE_SECONDS, SweepReport, sweep
+from ..manager.checkpoint_manager import checkpoint_records
+from ..policy import KeepPolicy, RetentionPlan, plan_retention
+from ..store import Store
+from ..store.events import log_event
+from ..store.lease import acquire_lease
+
+
+@dataclass
+class GCResult:
+    run: str | None
+    plan: RetentionPlan | None
+    sweep: SweepReport
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "dry_run": self.sweep.dry_run,
+            "plan": self.plan.to_json() if self.plan else None,
+            "deleted_checkpoints": self.plan.delete if self.plan else [],
+            "deleted_objects": len(self.sweep.deleted),
+            "freed_bytes": self.sweep.freed_bytes,
+            "kept_in_grace": self.sweep.kept_in_grace,
+            "tmp_files_removed": self.sweep.tmp_files_removed,
+            "unreadable_manifests": self.sweep.unreadable_manifests,
+        }
+
+
+def collect_garbage(
+    store: Store,
+    *,
+    run: str | None = None,
+    keep: KeepPolicy | None = None,
+    dry_run: bool = False,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+) -> GCResult:
+    """Delete the checkpoints of ``run`` that ``keep`` does not keep, then sweep objects.
+
+    Without ``keep`` only unreferenced objects (older than the grace period) are removed.
+    Applying a keep policy takes the run's writer lease, so it never races a live writer.
+    """
+    plan = None
+    if keep is not None:
+        if run is None:
+            raise ValueError("a keep policy applies to one run: name the run")
+        plan = plan_retention(checkpoint_records(store, run), keep, now=time.time())
+        if not dry_run and plan.delete:
+            lease = acquire_lease(store, run)
+            try:
+                reasons = {e.step: e.reasons for e in plan.entries}
+                for step in plan.delete:
+                    store.delete_manifest(run, step)
+                    log_event(store, run, "delete", step=step, reasons=reasons[step], by="gc")
+            finally:
+                lease.release()
+    report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run)
+    return GCResult(run, plan, report)
