@@ -163,7 +163,7 @@ def manifests(draw) -> Manifest:
             dtype, shape, chunks, draw(st.sampled_from(["tensor", "ndarray"]))
         )
     return Manifest(
-        run=draw(st.text(max_size=10)),
+        run=draw(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_+-]{0,20}", fullmatch=True)),
         step=draw(st.integers(0, 10**18)),
         created=draw(st.floats(allow_nan=False, allow_infinity=False)),
         epoch=draw(st.one_of(st.none(), st.integers(0, 10**6))),
@@ -346,6 +346,7 @@ SCHEMA_VIOLATIONS = {
     "bool step": lambda d: d.update(step=True),
     "string step": lambda d: d.update(step="12"),
     "run not str": lambda d: d.update(run=5),
+    "run with a path": lambda d: d.update(run="../escape"),
     "created huge int": lambda d: d.update(created=10**400),
     "created list": lambda d: d.update(created=[1]),
     "created missing": lambda d: d.pop("created"),

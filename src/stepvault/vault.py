@@ -11,12 +11,12 @@ from .errors import CheckpointNotFoundError, IntegrityError, InvalidNameError, S
 from .format import Manifest, decode_value, parse_manifest
 from .store import Store, validate_run_name
 
-_REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?$")
+_REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?")
 
 
 def parse_ref(text: str) -> tuple[str, int | str | None]:
     """Parse ``RUN``, ``RUN@STEP`` or ``RUN@latest`` into ``(run, step)``; step None if absent."""
-    m = _REF.match(text or "")
+    m = _REF.fullmatch(text) if isinstance(text, str) else None
     if not m:
         raise InvalidNameError(
             f"bad checkpoint reference {text!r}; expected RUN, RUN@STEP or RUN@latest"

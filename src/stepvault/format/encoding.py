@@ -98,6 +98,11 @@ def register_type(
     if not isinstance(name, str) or not name:
         raise ValueError("converter name must be a non-empty str")
     conv = _Converter(cls, name, encode, decode)
+    # Re-registering replaces both directions, so no stale class or name lingers.
+    unregister_type(cls)
+    old = _BY_NAME.pop(name, None)
+    if old is not None:
+        _BY_TYPE.pop(old.cls, None)
     _BY_TYPE[cls] = conv
     _BY_NAME[name] = conv
 

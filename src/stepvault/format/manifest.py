@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ManifestError, StoreVersionError
+from ..errors import InvalidNameError, ManifestError, StoreVersionError
+from ..store.names import validate_run_name
 from .dtypes import dtype_info
 from .hashing import content_hash
 from .objects import MAX_RAW_SIZE
@@ -133,7 +134,9 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise ManifestError(f"{where}: damaged manifest envelope") from exc
     if fmt != "stepvault-manifest":
         raise ManifestError(f"{where}: not a stepvault manifest (format {fmt!r})")
-    if not isinstance(version, int) or version > MANIFEST_FORMAT_VERSION:
+    if type(version) is not int or version < 1:
+        raise ManifestError(f"{where}: damaged manifest envelope (version {version!r})")
+    if version > MANIFEST_FORMAT_VERSION:
         raise StoreVersionError(
             f"{where}: manifest version {version!r} is newer than this stepvault reads "
             f"({MANIFEST_FORMAT_VERSION}); upgrade stepvault"
@@ -217,7 +220,7 @@ def _from_json(doc: dict[str, Any]) -> Manifest:
         raise ManifestError("metrics must be an object")
     epoch = _int(doc.get("epoch"), "epoch", nullable=True)
     return Manifest(
-        run=doc["run"] if type(doc["run"]) is str else _bad("run"),
+        run=_run_name(doc["run"]),
         step=_int(doc["step"], "step"),
         created=float(doc["created"]),
         epoch=epoch,
@@ -232,6 +235,13 @@ def _from_json(doc: dict[str, Any]) -> Manifest:
         stats=dict(doc.get("stats") or {}),
         environment=dict(doc.get("environment") or {}),
     )
+
+
+def _run_name(value: Any) -> str:
+    try:
+        return validate_run_name(value)
+    except InvalidNameError as exc:
+        raise ManifestError(f"bad run name in manifest: {exc}") from None
 
 
 def _bad(what: str):
