@@ -18,19 +18,22 @@ import numpy as np
 import torch
 
 from ._env import environment
-from .engine import CheckpointReader, HostArray, to_host, write_checkpoint
+from .engine import CheckpointReader, HostArray, PendingArray, to_host, write_checkpoint
 from .errors import (
     CheckpointNotFoundError,
     CorruptObjectError,
     IntegrityError,
+    ManifestError,
     NoValidCheckpointError,
+    StateMismatchError,
     StoreNotFoundError,
     StoreVersionError,
     UnsupportedTypeError,
 )
 from .format import CODEC_CHOICES, Encoder, Manifest, decode_value, parse_manifest
 from .format.chunking import DEFAULT_BUNDLE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_SMALL_TENSOR
-from .state import apply
+from .state import apply, validate
+from .state.placement import place_and_materialize
 from .state.snapshot import Snapshot, take_snapshot
 from .store import Store, validate_run_name, validate_step
 from .vault import Vault
@@ -233,6 +236,22 @@ def save(
     return dataclasses.replace(info, seconds=time.perf_counter() - t0)
 
 
+def _open_checkpoint(
+    store: Store, run: str, step: int, workers: int | None
+) -> tuple[Manifest, CheckpointReader, dict[str, Any]]:
+    """Parse a manifest; return it, a reader, and its state with meta stand-in tensors."""
+    manifest = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
+    reader = CheckpointReader(store, manifest, workers=workers)
+
+    def stand_in(kind: str, name: str) -> Any:
+        entry = manifest.tensors.get(name)
+        if entry is None or entry.kind != kind:
+            raise ManifestError(f"state references unknown {kind} {name!r}")
+        return reader.meta(name)
+
+    return manifest, reader, decode_value(manifest.state, stand_in)
+
+
 def load_verified(
     store: Store, run: str, step: int, *, workers: int | None = None
 ) -> tuple[Manifest, dict[str, Any], int]:
@@ -275,7 +294,14 @@ def restore_candidates(
     skipped: list[SkippedCheckpoint] = []
     for candidate in candidates:
         try:
-            manifest, tree, nbytes = load_verified(store, run, candidate, workers=workers)
+            manifest, reader, meta_tree = _open_checkpoint(store, run, candidate, workers)
+            # A checkpoint that does not fit the live state is the caller's mistake, not
+            # damage: report it before reading a byte, and never fall back past it.
+            problems = validate(state, meta_tree, manifest.state_kinds, strict=strict)
+            if problems:
+                raise StateMismatchError(problems)
+            reader.prefetch(d for t in manifest.tensors.values() for d, _, _ in t.chunks)
+            nbytes = manifest.logical_bytes
         except (IntegrityError, StoreVersionError) as exc:
             reason = str(exc)
             if isinstance(exc, CorruptObjectError) and exc.digest:
@@ -285,7 +311,11 @@ def restore_candidates(
                 raise
             skipped.append(SkippedCheckpoint(candidate, reason))
             continue
-        apply(state, tree, manifest.state_kinds, strict=strict)
+        # Every object is verified and the state fits: only now is live state touched.
+        pending = decode_value(manifest.state, PendingArray)
+        tree = place_and_materialize(state, pending, reader)
+        reader.release()
+        apply(state, tree, manifest.state_kinds, strict=strict, validated=True)
         metadata = decode_value(manifest.metadata, lambda kind, name: None)
         return RestoreInfo(
             run=run,

@@ -1,12 +1,13 @@
 """Engine layer: the write path and the read path."""
 
-from .reader import CheckpointReader, fetch_object
+from .reader import CheckpointReader, PendingArray, fetch_object
 from .staging import HostArray, from_bytes, to_host
 from .writer import WriteStats, default_workers, write_checkpoint
 
 __all__ = [
     "CheckpointReader",
     "HostArray",
+    "PendingArray",
     "WriteStats",
     "default_workers",
     "fetch_object",

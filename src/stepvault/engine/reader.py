@@ -13,7 +13,12 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+import torch
+
 from ..errors import CorruptObjectError, MissingObjectError
+from ..format.dtypes import dtype_info
+from ..format.encoding import torch_dtype, torch_dtype_name
 from ..format.manifest import Manifest, TensorEntry
 from ..format.objects import decode_object
 from ..store import Store
@@ -39,6 +44,20 @@ def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryvie
     if raw.readonly:
         raw = memoryview(bytearray(raw))
     return raw
+
+
+class PendingArray:
+    """A stored tensor/array not read yet (resolved by :meth:`CheckpointReader.read` or
+    placed straight into a live tensor with :meth:`CheckpointReader.read_into`)."""
+
+    __slots__ = ("kind", "name")
+
+    def __init__(self, kind: str, name: str) -> None:
+        self.kind = kind
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<pending {self.kind} {self.name}>"
 
 
 class CheckpointReader:
@@ -87,6 +106,41 @@ class CheckpointReader:
                 f"it has {len(self.manifest.tensors)} tensors (see .tensor_names())"
             )
         return self._build(entry)
+
+    def meta(self, name: str) -> Any:
+        """A zero-memory stand-in with the stored shape and dtype (for validation)."""
+        entry = self.manifest.tensors[name]
+        if entry.kind == "ndarray":
+            one = np.zeros(1, dtype=dtype_info(entry.dtype).numpy)
+            return np.lib.stride_tricks.as_strided(one, entry.shape, [0] * len(entry.shape))
+        return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype), device="meta")
+
+    def read_into(self, name: str, dst: torch.Tensor) -> bool:
+        """Copy a verified tensor straight into ``dst`` (no intermediate buffer).
+
+        Returns False, touching nothing, when ``dst`` does not fit (shape, dtype, layout).
+        """
+        entry = self.manifest.tensors[name]
+        if (
+            entry.kind != "tensor"
+            or tuple(dst.shape) != tuple(entry.shape)
+            or torch_dtype_name(dst.dtype) != entry.dtype
+            or not dst.is_contiguous()
+            or dst.layout != torch.strided
+        ):
+            return False
+        if entry.nbytes == 0:
+            return True
+        flat = dst.detach().reshape(-1).view(torch.uint8)
+        at = 0
+        with torch.no_grad():
+            for digest, off, length in entry.chunks:
+                src = self._object(digest)[off : off + length]
+                if src.nbytes != length:
+                    raise CorruptObjectError(f"object {digest[:16]}… is shorter than expected")
+                flat[at : at + length].copy_(torch.frombuffer(src, dtype=torch.uint8))
+                at += length
+        return True
 
     def _build(self, entry: TensorEntry) -> Any:
         if len(entry.chunks) == 1:

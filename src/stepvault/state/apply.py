@@ -163,18 +163,32 @@ def apply(
     kinds: dict[str, str],
     *,
     strict: bool = True,
+    validated: bool = False,
 ) -> None:
-    """Validate, then load ``restored`` into the live objects of ``state`` (in place)."""
-    problems = validate(state, restored, kinds, strict=strict)
-    if problems:
-        raise StateMismatchError(problems)
+    """Validate (unless ``validated``), then load ``restored`` into ``state`` in place.
+
+    Entries marked placed (see :mod:`.placement`) already hold their bytes and are skipped.
+    """
+    from .placement import Placed
+
+    if not validated:
+        problems = validate(state, restored, kinds, strict=strict)
+        if problems:
+            raise StateMismatchError(problems)
     for key, obj in list(state.items()):
         if key not in restored:
             continue
         saved = restored[key]
+        if isinstance(saved, Placed):
+            continue
         kind = kind_of(obj)
         if kind == "module":
-            obj.load_state_dict(saved, strict=strict)
+            rest = {k: v for k, v in saved.items() if not isinstance(v, Placed)}
+            if len(rest) == len(saved):
+                obj.load_state_dict(saved, strict=strict)
+            elif rest:
+                # Key sets were checked by validate(); the placed tensors are loaded already.
+                obj.load_state_dict(rest, strict=False)
         elif kind in ("optimizer", "stateful"):
             obj.load_state_dict(saved)
         elif kind == "tensor":

@@ -73,7 +73,9 @@ class LocalBackend(Backend):
             if size == 0:
                 return memoryview(b"")
             # ACCESS_COPY: private copy-on-write pages, so tensors built on the map are
-            # writable without ever touching the file.
+            # writable without ever touching the file. (MAP_POPULATE is *slower* here: on a
+            # writable private map it pre-copies every page; measured 0.85 s vs 0.02 s for
+            # 1.4 GB of page-cache faults.)
             return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
         finally:
             os.close(fd)
