@@ -263,3 +263,29 @@ def test_restore_of_missing_run(tmp_path):
         stepvault.restore(tmp_path, {}, run="r")
     with pytest.raises(stepvault.CheckpointNotFoundError):
         stepvault.restore(tmp_path, {"x": 0}, run="other", step=7)
+
+
+def test_restore_places_bytes_into_live_parameters(tmp_path):
+    model = make_model()
+    big = torch.randn(700_000)
+    stepvault.save(tmp_path, {"model": model, "big": big}, run="r", step=1)
+    other = make_model(seed=3)
+    ptrs = {k: v.data_ptr() for k, v in other.state_dict().items()}
+    live_big = torch.zeros(700_000)
+    ptr_big = live_big.data_ptr()
+    stepvault.restore(tmp_path, {"model": other, "big": live_big}, run="r")
+    assert {k: v.data_ptr() for k, v in other.state_dict().items()} == ptrs  # same memory
+    assert live_big.data_ptr() == ptr_big and torch.equal(live_big, big)
+    for k, v in model.state_dict().items():
+        assert torch.equal(other.state_dict()[k], v)
+
+
+def test_restore_into_non_contiguous_parameter(tmp_path):
+    model = torch.nn.Linear(8, 4)
+    stepvault.save(tmp_path, {"model": model}, run="r", step=1)
+    other = torch.nn.Linear(8, 4)
+    with torch.no_grad():  # a transposed (non-contiguous) weight cannot take raw bytes
+        other.weight = torch.nn.Parameter(torch.zeros(8, 4).t())
+    assert not other.weight.is_contiguous()
+    stepvault.restore(tmp_path, {"model": other}, run="r")
+    assert torch.equal(other.weight, model.weight)
