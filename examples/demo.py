@@ -3,14 +3,15 @@
     python examples/demo.py [--store DIR]
 
 1. starts a training process (a small MLP with dropout, AdamW, a cosine schedule and a
-   shuffled data loader) that checkpoints every 100 steps through stepvault;
+   shuffled data loader) that checkpoints every 100 steps through a ``CheckpointManager``
+   (asynchronous saves, keep the last 4 and the best 2 by loss);
 2. kills it with SIGKILL in the middle of the run, the way a failing node dies;
 3. damages the newest checkpoint (one flipped bit, as bit rot would) to show that a
    broken checkpoint is detected and skipped, never loaded;
 4. restarts training, which resumes from the newest *valid* checkpoint and finishes;
 5. prints what the store holds (the ``stepvault ls``, ``du`` and ``verify`` commands).
 
-Only the public API is used (``stepvault.save/restore/open/verify``).
+Only the public API is used (``CheckpointManager``, ``stepvault.open/verify``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,13 @@ def train(store: str) -> None:
         "step": 0,
     }
 
-    info = stepvault.restore(store, state, run=RUN, missing_ok=True)
+    mgr = stepvault.CheckpointManager(
+        store, RUN,
+        save=stepvault.Every(steps=SAVE_EVERY) | stepvault.LastStep(),
+        keep=stepvault.KeepLast(4) | stepvault.KeepBest(2, metric="loss"),
+        async_save=True, codec="auto", total_steps=TOTAL_STEPS, gc_grace_seconds=0,
+    )  # fmt: skip
+    info = mgr.restore(state)
     if info is None:
         print("[train] no checkpoint yet: fresh start", flush=True)
     else:
@@ -87,28 +94,31 @@ def train(store: str) -> None:
         opt.step()
         sched.step()
         step += 1
-        if step % SAVE_EVERY == 0 or step == TOTAL_STEPS:
-            state["step"] = step
-            # overwrite=True: after resuming from an older checkpoint, the steps after it are
-            # written again (CheckpointManager does this bookkeeping for you).
-            saved = stepvault.save(
-                store,
-                state,
-                run=RUN,
-                step=step,
-                epoch=data["epoch"],
-                metrics={"loss": loss.item()},
-                codec="auto",
-                overwrite=True,
-            )
+        state["step"] = step
+        handle = mgr.save(step, state, epoch=data["epoch"], metrics={"loss": loss.item()})
+        if handle is not None:
             print(
-                f"[train] step {step:5d} loss {loss.item():.4f}  checkpoint: "
-                f"{saved.logical_bytes / 2**20:.1f} MiB logical, "
-                f"{saved.new_bytes / 2**10:.0f} KiB new, {saved.seconds * 1000:.0f} ms",
+                f"[train] step {step:5d} loss {loss.item():.4f}  checkpoint started; "
+                f"training waited {handle.stall_seconds * 1000:.1f} ms",
                 flush=True,
             )
+            if info is not None and step == info.step + SAVE_EVERY:
+                new = handle.result().new_bytes  # wait, just this once, to show the dedup
+                print(
+                    f"[train]   re-saved step {step}: only {new / 1024:.0f} KiB new - every "
+                    "other chunk equals the lost checkpoint, so the resume is bitwise exact",
+                    flush=True,
+                )
         time.sleep(0.01)  # pace the demo so a run takes about a minute
-    print(f"[train] finished {TOTAL_STEPS} steps", flush=True)
+    mgr.close()
+    stats = mgr.stats()
+    print(
+        f"[train] finished {TOTAL_STEPS} steps; {stats['saves']} saves in this process, "
+        f"mean stall {stats['mean_stall_seconds'] * 1000:.1f} ms, mean write "
+        f"{stats['mean_write_seconds'] * 1000:.0f} ms; {stats['deleted_checkpoints']} old "
+        "checkpoints deleted by the keep policy",
+        flush=True,
+    )
 
 
 # ------------------------------------------------------------------------- orchestration
@@ -141,7 +151,7 @@ def main() -> int:
             steps = stepvault.open(args.store).steps(RUN)
         except stepvault.StepvaultError:
             steps = []
-        if len(steps) >= KILL_AFTER_CHECKPOINTS:
+        if steps and steps[-1] >= KILL_AFTER_CHECKPOINTS * SAVE_EVERY:
             break
         time.sleep(0.05)
     time.sleep(0.5)  # somewhere between two checkpoints
@@ -185,10 +195,10 @@ def main() -> int:
     _stepvault("--root", args.store, "ls", RUN)
     _stepvault("--root", args.store, "du")
     _stepvault("--root", args.store, "verify", "--deep")
+    _stepvault("--root", args.store, "events", RUN, "--tail", "6")
     print(
-        f"\nThe damaged object of {RUN}@{newest} was quarantined; the resumed run wrote step "
-        f"{newest} again. Training resumes bitwise exactly, so that checkpoint was identical to "
-        "the lost one and only the quarantined chunk had to be stored anew.",
+        f"\nThe damaged object of {RUN}@{newest} was quarantined, the resumed run wrote step "
+        f"{newest} again, and the keep policy (last 4 + best 2 by loss) deleted the rest.",
         flush=True,
     )
     return 0

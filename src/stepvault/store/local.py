@@ -76,7 +76,12 @@ class LocalBackend(Backend):
             # writable without ever touching the file. (MAP_POPULATE is *slower* here: on a
             # writable private map it pre-copies every page; measured 0.85 s vs 0.02 s for
             # 1.4 GB of page-cache faults.)
-            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+                # Ask for the whole object at once: one large readahead instead of a page
+                # fault (and a small read) per 128 KiB window when the page cache is cold.
+                mapped.madvise(mmap.MADV_WILLNEED)
+            return memoryview(mapped)
         finally:
             os.close(fd)
 
