@@ -8,6 +8,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import OutOfSpaceError
@@ -49,9 +50,17 @@ class LocalBackend(Backend):
     def _ensure_dir(self, path: str) -> None:
         if path in self._made_dirs:
             return
+        missing = []
+        probe = path
+        while not os.path.isdir(probe) and probe != os.path.dirname(probe):
+            missing.append(probe)
+            probe = os.path.dirname(probe)
         os.makedirs(path, exist_ok=True)
         with self._lock:
             self._made_dirs.add(path)
+            # A new directory's own name must reach the disk too: fsync its parent.
+            for created in missing:
+                self._dirty.add(os.path.dirname(created))
 
     # -- reads -------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes:
@@ -169,8 +178,13 @@ class LocalBackend(Backend):
     def sync(self) -> None:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
-        for path in sorted(dirty):
-            _fsync_dir(path)
+        if len(dirty) <= 2:
+            for path in dirty:
+                _fsync_dir(path)
+            return
+        # Independent directories: flush them concurrently (fsync releases the GIL).
+        with ThreadPoolExecutor(max_workers=min(8, len(dirty))) as pool:
+            list(pool.map(_fsync_dir, sorted(dirty)))
 
 
 def _silent_unlink(path: str) -> None:
