@@ -152,3 +152,32 @@ def test_cli_ls_show_du(tmp_path):
     assert out.exit_code == 2 and "no committed checkpoint exp1@99" in out.output
     out = runner.invoke(app, ["-r", str(tmp_path / "nope"), "ls"])
     assert out.exit_code == 2 and "no stepvault store" in out.output
+
+
+def test_commit_protocol_order(tmp_path, monkeypatch):
+    """Objects and their directory entries are durable before the manifest appears."""
+    from stepvault.store import local
+
+    log = []
+    real_fsync_dir = local._fsync_dir
+    real_put = local.LocalBackend.put_atomic
+
+    def fsync_dir(path):
+        log.append(("fsync_dir", os.path.relpath(path, tmp_path)))
+        real_fsync_dir(path)
+
+    def put(self, key, parts, **kw):
+        log.append(("put", key))
+        return real_put(self, key, parts, **kw)
+
+    monkeypatch.setattr(local, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(local.LocalBackend, "put_atomic", put)
+    stepvault.save(tmp_path, {"a": torch.randn(300_000), "b": torch.ones(3)}, run="r", step=1)
+    manifest_at = log.index(("put", "runs/r/checkpoints/1.json"))
+    object_puts = [i for i, e in enumerate(log) if e[0] == "put" and e[1].startswith("objects/")]
+    assert object_puts and max(object_puts) < manifest_at
+    synced_before = {p for kind, p in log[:manifest_at] if kind == "fsync_dir"}
+    for i in object_puts:
+        assert os.path.dirname(log[i][1]) in synced_before  # objects/xx
+    assert "objects" in synced_before  # the new objects/xx directories themselves
+    assert ("fsync_dir", "runs/r/checkpoints") in log[manifest_at:]
