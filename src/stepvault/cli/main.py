@@ -242,6 +242,32 @@ def du_cmd(root: RootOpt = None, as_json: JsonOpt = False) -> None:
     return None
 
 
+@app.command("repair")
+def repair_cmd(
+    run: Annotated[str | None, typer.Argument(help="Run to repair; all runs if omitted.")] = None,
+    root: RootOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report, change nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Deep-verify, then quarantine damaged checkpoints and objects so they are never offered
+    again (manifests go to quarantine/manifests/, objects to quarantine/)."""
+    try:
+        report = ops.repair_store(Store.open(_root(root)), run=run, dry_run=dry_run)
+    except StepvaultError as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(report.to_json())
+    verb = "would quarantine" if dry_run else "quarantined"
+    for c in report.verify.damaged:
+        console.print(f"[red]{verb}[/] {c.run}@{c.step}: {'; '.join(c.problems)}", highlight=False)
+    console.print(
+        f"{len(report.verify.checkpoints)} checkpoints checked, {len(report.removed)} "
+        f"{verb}, {len(report.quarantined_objects)} damaged objects {verb}",
+        highlight=False,
+    )
+    return None
+
+
 def _parse_duration(text: str) -> float:
     """'90s', '30m', '12h', '7d' -> seconds."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -36,6 +36,12 @@ def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryvie
         raise MissingObjectError(
             f"object {digest[:16]}… is missing from {store.backend.url}"
         ) from None
+    except OSError as exc:
+        # ELOOP (a symlink planted in the store), EISDIR, EACCES...: never followed, never
+        # fatal to the fallback logic; the object is simply unusable.
+        err = CorruptObjectError(f"object {digest[:16]}… cannot be read safely: {exc}")
+        err.digest = digest
+        raise err from None
     try:
         raw = decode_object(buf, digest, verify=verify)
     except CorruptObjectError as exc:

@@ -13,6 +13,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -158,6 +159,9 @@ class CheckpointManager:
         lease_stale_after: seconds without a heartbeat after which another process may
             take over the run's lease (a crashed writer on this host is taken over at once).
         prometheus: True (default registry) or a ``CollectorRegistry`` to export metrics.
+        on_save_error: ``"raise"`` (default) a failed save on the training thread, or
+            ``"warn"``: emit a RuntimeWarning, log the event and let training go on (e.g. a
+            full disk: better to keep training and retry at the next save).
     """
 
     def __init__(
@@ -177,7 +181,11 @@ class CheckpointManager:
         lease_stale_after: float = DEFAULT_STALE_AFTER,
         workers: int | None = None,
         prometheus: Any = False,
+        on_save_error: Literal["raise", "warn"] = "raise",
     ) -> None:
+        if on_save_error not in ("raise", "warn"):
+            raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
+        self.on_save_error = on_save_error
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         if best_mode not in ("min", "max"):
@@ -259,7 +267,26 @@ class CheckpointManager:
         if self._bg is not None:
             exc = self._bg.poll_error()
             if exc is not None:
-                raise exc
+                self._raise_or_warn(exc)
+
+    def _raise_or_warn(self, exc: BaseException) -> None:
+        """A failed save: raise it, or with ``on_save_error="warn"`` warn and go on."""
+        if self.on_save_error == "warn" and isinstance(exc, Exception):
+            warnings.warn(
+                f"stepvault: a save of run {self.run!r} failed and training continues "
+                f"(on_save_error='warn'); earlier checkpoints are intact: {exc}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        raise exc
+
+    def _wait_quietly(self) -> SaveInfo | None:
+        try:
+            return self._bg.wait() if self._bg is not None else None
+        except BaseException as exc:
+            self._raise_or_warn(exc)
+            return None
 
     def _event(self, event: str, **fields: Any) -> None:
         try:
@@ -335,7 +362,7 @@ class CheckpointManager:
                 self._stats.skipped_busy += 1
                 self._event("save_skipped", step=step, reason="previous save still in flight")
                 return None
-            self._bg.wait()  # raises the previous save's error, if any
+            self._wait_quietly()  # raises the previous save's error, if any
         t0 = time.perf_counter()
         try:
             snapshot = take_snapshot(state, kind=decision.kind)
@@ -366,7 +393,11 @@ class CheckpointManager:
         if background:
             handle._future = self._bg.submit(job)
         else:
-            handle._info = job()
+            try:
+                handle._info = job()
+            except BaseException as exc:
+                self._raise_or_warn(exc)
+                return None
             handle.stall_seconds = time.perf_counter() - t0
             self._stats.stalls[-1] = handle.stall_seconds
         self.save_policy.saved(ctx, decision)
@@ -431,10 +462,9 @@ class CheckpointManager:
         return info
 
     def wait(self) -> SaveInfo | None:
-        """Block until the save in flight (if any) is committed; raises its error."""
-        if self._bg is None:
-            return None
-        return self._bg.wait()
+        """Block until the save in flight (if any) is committed; raises its error
+        (warns instead with ``on_save_error="warn"``)."""
+        return self._wait_quietly()
 
     # ---------------------------------------------------------------------- retention
     def _record(self, step: int) -> CheckpointRecord:
@@ -641,7 +671,7 @@ class CheckpointManager:
         try:
             if self._bg is not None:
                 try:
-                    self._bg.wait()
+                    self._wait_quietly()
                 except BaseException as exc:
                     error = exc
                 self._bg.shutdown()

@@ -1,16 +1,19 @@
 """Operations on a whole store: verification and usage (later: gc, tiering, import)."""
 
 from .gc import GCResult, collect_garbage
+from .repair import RepairReport, repair_store
 from .usage import RunUsage, StoreUsage, store_usage, usage
 from .verify import CheckpointReport, VerifyReport, verify, verify_store
 
 __all__ = [
     "CheckpointReport",
     "GCResult",
+    "RepairReport",
     "RunUsage",
     "StoreUsage",
     "VerifyReport",
     "collect_garbage",
+    "repair_store",
     "store_usage",
     "usage",
     "verify",

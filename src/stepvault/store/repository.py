@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ManifestError,
     StoreNotFoundError,
     StoreVersionError,
 )
@@ -150,6 +151,9 @@ class Store:
             data = self.backend.read_bytes(key)
         except FileNotFoundError:
             return target
+        except OSError:  # not a regular file (a planted symlink): just remove the name
+            self.backend.delete(key)
+            return target
         self.backend.put_atomic(target, [data], overwrite=True)
         self.backend.delete(key)
         self.backend.sync()
@@ -190,6 +194,8 @@ class Store:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint {run}@{step} in {self.backend.url}"
             ) from None
+        except OSError as exc:  # e.g. ELOOP: a symlink planted where a manifest belongs
+            raise ManifestError(f"{run}@{step}: manifest cannot be read safely: {exc}") from None
 
     def commit_manifest(self, run: str, step: int, data: bytes, *, overwrite: bool) -> None:
         """Make a checkpoint visible: every object must already be durable (call sync())."""
