@@ -62,18 +62,48 @@ class Checkpoint:
     def metadata(self) -> Any:
         return decode_value(self.manifest.metadata, lambda kind, name: None)
 
+    @property
+    def is_sharded(self) -> bool:
+        """True for a checkpoint written by several ranks (torch.distributed.checkpoint)."""
+        return bool(self.manifest.sharded)
+
     def tensor_names(self) -> list[str]:
-        """Stored tensor names, e.g. ``model/fc.weight``, ``optimizer/state/0/exp_avg``."""
+        """Stored tensor names, e.g. ``model/fc.weight``, ``optimizer/state/0/exp_avg``
+        (for a multi-rank checkpoint: DCP's flattened names, e.g. ``model.fc.weight``)."""
+        if self.manifest.sharded:
+            entries = self.manifest.sharded["entries"]
+            return [k for k, e in entries.items() if e["type"] == "tensor"]
         return list(self.manifest.tensors)
 
     def tensor(self, name: str) -> Any:
-        """Read one tensor lazily: only its objects are fetched (and verified)."""
+        """Read one tensor lazily: only its objects are fetched (and verified). Shards of a
+        multi-rank checkpoint are assembled into the full tensor."""
+        if self.manifest.sharded:
+            return self._reader.read_sharded(name)
         return self._reader.read(name)
 
     def load(self) -> dict[str, Any]:
-        """The whole saved state as plain state dicts (no live objects needed)."""
+        """The whole saved state as plain state dicts (no live objects, no process group)."""
+        if self.manifest.sharded:
+            return self._load_sharded()
         arrays = self._reader.read_all()
         return decode_value(self.manifest.state, lambda kind, name: arrays[name])
+
+    def _load_sharded(self) -> dict[str, Any]:
+        sharded = self.manifest.sharded
+        paths = sharded.get("paths", {})
+        out: dict[str, Any] = {}
+        for fqn, e in sharded["entries"].items():
+            if e["type"] == "tensor":
+                value = self._reader.read_sharded(fqn)
+            else:
+                value = decode_value(e["value"], lambda kind, name: None)
+            path = paths.get(fqn) or [fqn]
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = value
+        return out
 
     def __repr__(self) -> str:
         return f"<Checkpoint {self.run}@{self.step} tensors={len(self.manifest.tensors)}>"

@@ -2,7 +2,7 @@
 
 from .reader import CheckpointReader, PendingArray, fetch_object
 from .staging import HostArray, from_bytes, to_host
-from .writer import WriteStats, default_workers, write_checkpoint
+from .writer import WriteStats, default_workers, write_checkpoint, write_objects
 
 __all__ = [
     "CheckpointReader",
@@ -14,4 +14,5 @@ __all__ = [
     "from_bytes",
     "to_host",
     "write_checkpoint",
+    "write_objects",
 ]

@@ -160,6 +160,23 @@ class CheckpointReader:
             data = memoryview(buf)
         return from_bytes(entry.kind, entry.dtype, entry.shape, data)
 
+    def read_sharded(self, fqn: str) -> Any:
+        """A tensor of a multi-rank checkpoint, assembled from its shards (verified)."""
+        sharded = self.manifest.sharded or {"entries": {}}
+        e = sharded["entries"].get(fqn)
+        if e is None or e["type"] != "tensor":
+            raise KeyError(f"no sharded tensor {fqn!r} in {self.manifest.run}@{self.manifest.step}")
+        full = torch.empty(e["size"], dtype=torch_dtype(e["dtype"]))
+        for sh in e["shards"]:
+            piece = self._build(
+                TensorEntry(e["dtype"], list(sh["sizes"]), [tuple(c) for c in sh["chunks"]])
+            )
+            box = full
+            for dim, (off, length) in enumerate(zip(sh["offsets"], sh["sizes"])):
+                box = box.narrow(dim, off, length)
+            box.copy_(piece)
+        return full
+
     def read_all(self) -> dict[str, Any]:
         """Every tensor of the checkpoint, all objects verified before any is returned."""
         self.prefetch(d for t in self.manifest.tensors.values() for d, _, _ in t.chunks)

@@ -105,20 +105,16 @@ class _ChunkWriter:
         return self.store.object_size(digest)
 
 
-def write_checkpoint(
+def write_objects(
     store: Store,
-    manifest: Manifest,
     arrays: dict[str, HostArray],
     *,
     codec: str,
-    overwrite: bool = False,
     workers: int | None = None,
-    before_commit: Callable[[], None] | None = None,
-) -> WriteStats:
-    """Store ``arrays`` as objects, fill ``manifest``'s tensor/object tables, and commit it.
+) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry], WriteStats]:
+    """Store ``arrays`` as durable objects; return their tensor entries, objects and stats.
 
-    ``before_commit`` runs after every object is durable and right before the manifest is
-    made visible (used by tests to inject crashes and by the distributed coordinator).
+    Nothing becomes visible: the caller commits a manifest naming these objects.
     """
     t0 = time.perf_counter()
     settings = store.settings
@@ -133,8 +129,11 @@ def write_checkpoint(
         bundle_size=int(settings.get("bundle_size", 8 << 20)),
     )
     writer = _ChunkWriter(store, arrays, codec)
-    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        results = list(pool.map(writer, plans))
+    if plans:
+        with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
+            results = list(pool.map(writer, plans))
+    else:
+        results = []
 
     writer.ensure_present(plans, results)
     stats = WriteStats()
@@ -155,10 +154,30 @@ def write_checkpoint(
     stats.objects = len(objects)
     stats.logical_bytes = sum(a.nbytes for a in arrays.values())
     stats.stored_bytes = sum(o.size for o in objects.values())
+    store.sync()  # every object name durable before any manifest can name it
+    stats.seconds = time.perf_counter() - t0
+    return tensors, objects, stats
 
+
+def write_checkpoint(
+    store: Store,
+    manifest: Manifest,
+    arrays: dict[str, HostArray],
+    *,
+    codec: str,
+    overwrite: bool = False,
+    workers: int | None = None,
+    before_commit: Callable[[], None] | None = None,
+) -> WriteStats:
+    """Store ``arrays`` as objects, fill ``manifest``'s tensor/object tables, and commit it.
+
+    ``before_commit`` runs after every object is durable and right before the manifest is
+    made visible (used by tests to inject crashes).
+    """
+    t0 = time.perf_counter()
+    tensors, objects, stats = write_objects(store, arrays, codec=codec, workers=workers)
     manifest.tensors = tensors
     manifest.objects = objects
-    store.sync()  # every object name durable before the manifest can name it
     if before_commit is not None:
         before_commit()
     stats.seconds = time.perf_counter() - t0

@@ -80,10 +80,18 @@ class Manifest:
     objects: dict[str, ObjectEntry] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
+    #: checkpoints written by several ranks (torch.distributed.checkpoint): see FORMAT.md
+    sharded: dict[str, Any] | None = None
 
     @property
     def logical_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        total = sum(t.nbytes for t in self.tensors.values())
+        if self.sharded:
+            for e in self.sharded["entries"].values():
+                if e["type"] == "tensor":
+                    item = dtype_info(e["dtype"]).itemsize
+                    total += sum(math.prod(sh["sizes"]) * item for sh in e["shards"])
+        return total
 
     @property
     def stored_bytes(self) -> int:
@@ -105,6 +113,7 @@ class Manifest:
             "objects": {k: v.to_json() for k, v in self.objects.items()},
             "stats": self.stats,
             "environment": self.environment,
+            **({"sharded": self.sharded} if self.sharded is not None else {}),
         }
 
 
@@ -219,6 +228,9 @@ def _from_json(doc: dict[str, Any]) -> Manifest:
     if type(metrics) is not dict:
         raise ManifestError("metrics must be an object")
     epoch = _int(doc.get("epoch"), "epoch", nullable=True)
+    sharded = doc.get("sharded")
+    if sharded is not None:
+        _check_sharded(sharded, objects)
     return Manifest(
         run=_run_name(doc["run"]),
         step=_int(doc["step"], "step"),
@@ -234,7 +246,55 @@ def _from_json(doc: dict[str, Any]) -> Manifest:
         objects=objects,
         stats=dict(doc.get("stats") or {}),
         environment=dict(doc.get("environment") or {}),
+        sharded=sharded,
     )
+
+
+def _check_sharded(sharded: Any, objects: dict[str, ObjectEntry]) -> None:
+    """Schema and consistency checks of the ``sharded`` section (before any allocation)."""
+    if type(sharded) is not dict or type(sharded.get("entries")) is not dict:
+        raise ManifestError("sharded section must hold an 'entries' object")
+    paths = sharded.get("paths", {})
+    if type(paths) is not dict:
+        raise ManifestError("sharded.paths must be an object")
+    for fqn, e in sharded["entries"].items():
+        if type(e) is not dict or e.get("type") not in ("tensor", "value"):
+            raise ManifestError(f"sharded entry {fqn!r}: bad type")
+        if e["type"] == "value":
+            continue
+        try:
+            itemsize = dtype_info(e["dtype"]).itemsize
+        except ValueError as exc:
+            raise ManifestError(f"sharded entry {fqn!r}: {exc}") from None
+        size = e.get("size")
+        if type(size) is not list or len(size) > 64:
+            raise ManifestError(f"sharded entry {fqn!r}: bad size")
+        for d in size:
+            _int(d, f"sharded entry {fqn!r} dimension")
+        for sh in e.get("shards", []):
+            offsets, sizes = sh.get("offsets"), sh.get("sizes")
+            if (
+                type(offsets) is not list
+                or type(sizes) is not list
+                or not (len(offsets) == len(sizes) == len(size))
+            ):
+                raise ManifestError(f"sharded entry {fqn!r}: bad shard box")
+            for o, n, d in zip(offsets, sizes, size):
+                _int(o, "shard offset")
+                _int(n, "shard size")
+                if o + n > d:
+                    raise ManifestError(f"sharded entry {fqn!r}: shard beyond the tensor")
+            total = 0
+            for c in sh.get("chunks", []):
+                if type(c) is not list or len(c) != 3 or c[0] not in objects:
+                    raise ManifestError(f"sharded entry {fqn!r}: bad chunk reference")
+                _int(c[1], "chunk offset")
+                _int(c[2], "chunk length")
+                if c[1] + c[2] > objects[c[0]].raw_size:
+                    raise ManifestError(f"sharded entry {fqn!r}: chunk range beyond its object")
+                total += c[2]
+            if total != math.prod(sizes) * itemsize:
+                raise ManifestError(f"sharded entry {fqn!r}: shard bytes do not match its box")
 
 
 def _run_name(value: Any) -> str:

@@ -1,0 +1,108 @@
+"""Worker functions for multi-process tests (spawned; must be importable at module level)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(8, 6, generator=g),
+        "b": torch.randn(6, generator=g),
+        "emb": torch.randn(12, 4, generator=g).to(torch.bfloat16),
+    }
+
+
+def make_state(mesh, *, zeros: bool = False) -> dict:
+    full = full_tensors()
+    if zeros:
+        full = {k: torch.zeros_like(v) for k, v in full.items()}
+    return {
+        "model": {
+            "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+            "b": distribute_tensor(full["b"], mesh, [Replicate()]),
+            "emb": distribute_tensor(full["emb"], mesh, [Shard(1)]),
+        },
+        "extra": {"step": 0 if zeros else 7, "betas": (0.0, 0.0) if zeros else (0.9, 0.99)},
+    }
+
+
+def run(rank: int, world: int, port: int, task: str, root: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        globals()[f"task_{task}"](rank, world, root, out)
+        result = "ok"
+    except BaseException as exc:  # reported to the parent through a file per rank
+        result = f"error {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+            f.write(result)
+        dist.destroy_process_group()
+
+
+def task_save(rank, world, root, out):
+    import stepvault.dist as sd
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd.save_sharded(root, make_state(mesh), run="r", step=1, metrics={"loss": 0.5})
+
+
+def task_load(rank, world, root, out):
+    import stepvault.dist as sd
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = make_state(mesh, zeros=True)
+    step = sd.load_sharded(root, state, run="r")
+    full = full_tensors()
+    for k, v in state["model"].items():
+        assert torch.equal(v.full_tensor(), full[k]), k
+    assert state["extra"] == {"step": 7, "betas": (0.9, 0.99)}, state["extra"]
+    with open(os.path.join(out, f"step{rank}.txt"), "w") as f:
+        f.write(str(step))
+
+
+def task_save_fail_on_rank1(rank, world, root, out):
+    import stepvault.dist as sd
+    from stepvault.dist import storage
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd.save_sharded(root, make_state(mesh), run="r", step=1)
+    if rank == 1:
+        original = storage.StepvaultWriter.write_data
+
+        def broken(self, plan, planner):
+            raise OSError("rank 1 lost its disk")
+
+        storage.StepvaultWriter.write_data = broken
+    try:
+        sd.save_sharded(root, make_state(mesh), run="r", step=2)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        with open(os.path.join(out, f"err{rank}.txt"), "w") as f:
+            f.write(repr(exc))
+    else:
+        raise AssertionError("the failed save did not raise on this rank")
+    finally:
+        if rank == 1:
+            storage.StepvaultWriter.write_data = original
+
+
+def task_load_fallback(rank, world, root, out):
+    import stepvault.dist as sd
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = make_state(mesh, zeros=True)
+    step = sd.load_sharded(root, state, run="r")
+    full = full_tensors()
+    for k, v in state["model"].items():
+        assert torch.equal(v.full_tensor(), full[k]), k
+    with open(os.path.join(out, f"step{rank}.txt"), "w") as f:
+        f.write(str(step))
