@@ -106,3 +106,101 @@ def task_load_fallback(rank, world, root, out):
         assert torch.equal(v.full_tensor(), full[k]), k
     with open(os.path.join(out, f"step{rank}.txt"), "w") as f:
         f.write(str(step))
+
+
+def _fsdp_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+        torch.nn.Linear(32, 4),
+    )  # fmt: skip
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_state(mesh):
+    import stepvault
+
+    model = _fsdp_model(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "rng": stepvault.RNGState(),
+        "step": 0,
+    }
+
+
+def _train(state, steps):
+    g = torch.Generator().manual_seed(100 + state["step"])
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=g)
+        loss = state["model"](x).pow(2).mean()
+        state["optimizer"].zero_grad()
+        loss.backward()
+        state["optimizer"].step()
+        state["scheduler"].step()
+        state["step"] += 1
+
+
+def _full(state) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    msd, osd = get_state_dict(state["model"], state["optimizer"], options=opts)
+    flat = {f"model.{k}": v for k, v in msd.items()}
+    for name, st in osd["state"].items():
+        for k, v in st.items():
+            flat[f"opt.{name}.{k}"] = v
+    return flat
+
+
+def _dump(out, rank, tag, flat):
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in flat.items()}, os.path.join(out, f"{tag}.pt"))
+
+
+def task_fsdp_save(rank, world, root, out):
+    import stepvault
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = _fsdp_state(mesh)
+    _train(state, 3)
+    stepvault.save(root, state, run="f", step=3)
+    _dump(out, rank, "saved", _full(state))
+    _train(state, 2)
+    _dump(out, rank, "continued", _full(state))
+
+
+def task_fsdp_restore(rank, world, root, out):
+    import stepvault
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = _fsdp_state(mesh)
+    info = stepvault.restore(root, state, run="f")
+    assert info.step == 3 and state["step"] == 3, (info, state["step"])
+    assert state["scheduler"].last_epoch == 3
+    _dump(out, rank, "restored", _full(state))
+    _train(state, 2)
+    _dump(out, rank, "resumed", _full(state))
+
+
+def task_rank0_only_sharded_save(rank, world, root, out):
+    import stepvault
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = _fsdp_state(mesh)
+    if rank == 0:
+        try:
+            stepvault.save(root, state, run="bad", step=1, collective=False)
+        except stepvault.StepvaultError as exc:
+            with open(os.path.join(out, "err.txt"), "w") as f:
+                f.write(str(exc))
+    dist.barrier()

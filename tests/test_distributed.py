@@ -134,3 +134,39 @@ def test_all_ranks_fall_back_together_past_damage(tmp_path):
     path.write_bytes(bytes(data))
     _spawn(2, "load_fallback", root, tmp_path / "out")
     assert {(tmp_path / "out" / f"step{r}.txt").read_text() for r in (0, 1)} == {"1"}
+
+
+def _pt(path):  # test-local reference files written by torch.save in the workers
+    return torch.load(path, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def fsdp_on_2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    out = tmp_path_factory.mktemp("fsdp-out")
+    _spawn(2, "fsdp_save", root, out)
+    return root, out
+
+
+def test_fsdp2_resume_on_same_world_size_is_bitwise(fsdp_on_2, tmp_path):
+    root, ref = fsdp_on_2
+    _spawn(2, "fsdp_restore", root, tmp_path)
+    saved, restored = _pt(ref / "saved.pt"), _pt(tmp_path / "restored.pt")
+    assert saved.keys() == restored.keys()
+    assert all(torch.equal(saved[k], restored[k]) for k in saved)
+    continued, resumed = _pt(ref / "continued.pt"), _pt(tmp_path / "resumed.pt")
+    assert all(torch.equal(continued[k], resumed[k]) for k in continued)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_fsdp2_checkpoint_reshards_to_other_world_sizes(fsdp_on_2, tmp_path, world):
+    root, ref = fsdp_on_2
+    _spawn(world, "fsdp_restore", root, tmp_path)
+    saved, restored = _pt(ref / "saved.pt"), _pt(tmp_path / "restored.pt")
+    assert all(torch.equal(saved[k], restored[k]) for k in saved)
+
+
+def test_rank0_only_save_of_sharded_state_is_refused(tmp_path):
+    _spawn(2, "rank0_only_sharded_save", tmp_path / "store", tmp_path)
+    assert "only that rank's shards" in (tmp_path / "err.txt").read_text()
+    assert not (tmp_path / "store" / "runs").exists()

@@ -26,6 +26,7 @@ from .errors import (
     ManifestError,
     NoValidCheckpointError,
     StateMismatchError,
+    StepvaultError,
     StoreNotFoundError,
     StoreVersionError,
     UnsupportedTypeError,
@@ -119,6 +120,22 @@ def _encode_metadata(metadata: Any) -> Any:
     return None if metadata is None else Encoder(no_arrays).encode(metadata, ("metadata",))
 
 
+def _collective(state: Mapping[str, Any], collective: bool | None) -> bool:
+    """Whether a save/restore must run on every rank through DCP."""
+    from .dist.state import distributed_active, has_dtensor
+
+    sharded = has_dtensor(state)
+    if collective is False:
+        if sharded:
+            raise StepvaultError(
+                "the state holds sharded DTensors (FSDP2 / tensor parallel): a save from one "
+                "rank would keep only that rank's shards. Call stepvault.save on every rank "
+                "(leave collective unset)"
+            )
+        return False
+    return bool(collective) or sharded or distributed_active()
+
+
 def new_manifest(
     run: str,
     step: int,
@@ -208,6 +225,7 @@ def save(
     codec: str | None = None,
     overwrite: bool = False,
     workers: int | None = None,
+    collective: bool | None = None,
 ) -> SaveInfo:
     """Save ``state`` as checkpoint ``run@step`` in the store at ``root`` (created if absent).
 
@@ -221,11 +239,42 @@ def save(
     ``codec`` overrides the store's setting for this save: ``raw``, ``zstd``, ``float`` or
     ``auto``. With ``overwrite=True`` an existing checkpoint of the same step is replaced
     atomically (otherwise :class:`CheckpointExistsError`).
+
+    Under a ``torch.distributed`` process group (or with sharded DTensor state) every rank
+    calls ``save`` with its own shards; each rank writes its part and rank 0 commits once
+    all succeeded (``collective=None`` decides automatically; ``collective=False`` saves a
+    replicated model from one rank and refuses sharded state).
     """
     t0 = time.perf_counter()
     if codec is not None and codec not in CODEC_CHOICES:
         raise ValueError(f"codec must be one of {CODEC_CHOICES}, got {codec!r}")
     validate_run_name(run)
+    if _collective(state, collective):
+        from .dist.api import save_state
+
+        save_state(
+            root,
+            state,
+            run=run,
+            step=step,
+            epoch=epoch,
+            metrics=_encode_metrics(metrics),
+            codec=codec,
+            workers=workers,
+        )
+        m = parse_manifest(Store.open(root).read_manifest(run, step), f"{run}@{step}")
+        return SaveInfo(
+            run,
+            step,
+            epoch,
+            m.logical_bytes,
+            m.stored_bytes,
+            int(m.stats.get("new_bytes", 0)),
+            len(m.objects),
+            0,
+            time.perf_counter() - t0,
+            m.kind,
+        )
     snapshot = take_snapshot(state, kind=kind)
     manifest = new_manifest(
         run, step, snapshot, epoch=epoch, kind=kind, metrics=metrics, metadata=metadata
@@ -344,6 +393,7 @@ def restore(
     strict: bool = True,
     missing_ok: bool = False,
     workers: int | None = None,
+    collective: bool | None = None,
 ) -> RestoreInfo | None:
     """Load checkpoint ``run@step`` into the live objects of ``state``.
 
@@ -355,8 +405,11 @@ def restore(
     anything in ``state`` is changed: a failed restore leaves the training state as it was.
 
     Returns None when the run has no checkpoint and ``missing_ok`` is true (a fresh start).
+    Under a process group every rank calls it; a checkpoint saved on N ranks loads on M.
     """
     validate_run_name(run)
+    if _collective(state, collective):
+        return _restore_collective(root, state, run, step, missing_ok, workers)
     try:
         store = Store.open(root)
     except StoreNotFoundError:
@@ -364,6 +417,9 @@ def restore(
             return None
         raise
     steps = store.list_steps(run)
+    newest = steps[-1] if step == "latest" and steps else step
+    if isinstance(newest, int) and _is_sharded(store, run, newest):
+        return _restore_collective(store, state, run, step, missing_ok, workers)
     if step == "latest":
         if not steps:
             if missing_ok:
@@ -383,6 +439,43 @@ def restore(
         )
     return restore_candidates(
         store, state, run, [validate_step(step)], fallback=False, strict=strict, workers=workers
+    )
+
+
+def _is_sharded(store: Store, run: str, step: int) -> bool:
+    """Whether ``run@step`` was written by a distributed save (read it through DCP)."""
+    try:
+        return bool(parse_manifest(store.read_manifest(run, step), f"{run}@{step}").sharded)
+    except StepvaultError:
+        return False  # damaged or absent: the normal path reports it (and falls back)
+
+
+def _restore_collective(root, state, run, step, missing_ok, workers) -> RestoreInfo | None:
+    from .dist.api import restore_state
+
+    t0 = time.perf_counter()
+    try:
+        store = Store.open(root)
+    except StoreNotFoundError:
+        if missing_ok:
+            return None
+        raise
+    if step == "latest" and not store.list_steps(run):
+        if missing_ok:
+            return None
+        raise CheckpointNotFoundError(f"run {run!r} has no committed checkpoint")
+    chosen = restore_state(store, state, run=run, step=step, workers=workers)
+    m = parse_manifest(store.read_manifest(run, chosen), f"{run}@{chosen}")
+    return RestoreInfo(
+        run,
+        chosen,
+        m.epoch,
+        dict(m.metrics),
+        m.metadata,
+        m.created,
+        m.kind,
+        seconds=time.perf_counter() - t0,
+        bytes_read=m.logical_bytes,
     )
 
 

@@ -16,6 +16,7 @@ dict                   object when every key is a str not starting with ``$``,
                        else ``{"$dict": [[key, value], ...]}`` (str or int keys)
 torch.Tensor           ``{"$tensor": "<name>"}`` — bytes go through the chunk path
 numpy.ndarray          ``{"$ndarray": "<name>"}`` — idem
+(embedded array)       ``{"$array": ["torch"|"numpy", "<dtype>", [shape], "<base64>"]}``
 numpy scalar           ``{"$npscalar": ["<dtype>", "<little-endian bytes as hex>"]}``
 torch.dtype/Size/device ``{"$dtype": "bfloat16"}``, ``{"$size": [2, 3]}``, ``{"$device": "cpu"}``
 registered type        ``{"$ext": ["<name>", <encoded value>]}``
@@ -125,7 +126,9 @@ def _path_text(path: tuple) -> str:
 class Encoder:
     """Encodes one state tree; tensors and arrays are handed to ``on_array(name, value)``."""
 
-    def __init__(self, on_array: Callable[[str, Any], None]) -> None:
+    def __init__(self, on_array: Callable[[str, Any], None] | None) -> None:
+        # on_array=None: small arrays are embedded in the JSON ("$array"), for values that
+        # live outside the chunk path (e.g. inside a multi-rank checkpoint's values).
         self._on_array = on_array
         self._names: set[str] = set()
 
@@ -159,6 +162,11 @@ class Encoder:
             if math.isfinite(value):
                 return value
             return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if isinstance(value, torch.Tensor) and self._on_array is None:
+            self._check_tensor(value, path)
+            return _inline("torch", value)
+        if t is np.ndarray and self._on_array is None and dtype_from_numpy(value.dtype):
+            return _inline("numpy", value)
         if isinstance(value, torch.Tensor):
             self._check_tensor(value, path)
             name = self._array_name(path)
@@ -247,6 +255,39 @@ class Encoder:
             )
 
 
+def _inline(kind: str, value: Any) -> dict[str, Any]:
+    if kind == "torch":
+        t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        dtype, shape = _TORCH_DTYPE_NAMES[t.dtype], list(t.shape)
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    else:
+        dtype, shape = dtype_from_numpy(value.dtype), list(value.shape)
+        raw = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<")).tobytes()
+    return {"$array": [kind, dtype, shape, base64.b64encode(raw).decode("ascii")]}
+
+
+def _decode_inline(arg: Any) -> Any:
+    kind, dtype, shape, data = _expect(arg, list)
+    if kind not in ("torch", "numpy") or type(shape) is not list:
+        raise ManifestError("bad $array")
+    raw = bytearray(base64.b64decode(_expect(data, str), validate=True))
+    info = dtype_info(_expect(dtype, str))
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ManifestError("bad $array shape")
+        count *= d
+    if count * info.itemsize != len(raw):
+        raise ManifestError("$array data does not match its shape")
+    if kind == "numpy":
+        if info.numpy is None:
+            raise ManifestError(f"numpy has no dtype {dtype!r}")
+        return np.frombuffer(raw, dtype=info.numpy).reshape(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+    return torch.frombuffer(raw, dtype=torch_dtype(dtype)).reshape(shape)
+
+
 def torch_dtype_name(dtype: torch.dtype) -> str:
     """Format dtype name of a torch dtype."""
     return _TORCH_DTYPE_NAMES[dtype]
@@ -292,6 +333,8 @@ def _decode(obj: Any, get_array):
             return get_array("tensor", _expect(arg, str))
         if tag == "$ndarray":
             return get_array("ndarray", _expect(arg, str))
+        if tag == "$array":
+            return _decode_inline(arg)
         if tag == "$float":
             if arg not in ("nan", "inf", "-inf"):
                 raise ManifestError(f"bad $float value {arg!r}")
