@@ -204,3 +204,37 @@ def task_rank0_only_sharded_save(rank, world, root, out):
             with open(os.path.join(out, "err.txt"), "w") as f:
                 f.write(str(exc))
     dist.barrier()
+
+
+def task_manager_ddp(rank, world, root, out):
+    """DDP (replicated) through a CheckpointManager on every rank, then resume."""
+    import stepvault
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return {"model": model, "optimizer": opt, "step": 0, "rng": stepvault.RNGState()}
+
+    state = build()
+    with stepvault.CheckpointManager(
+        root, "ddp", save=stepvault.Every(steps=2), keep=stepvault.KeepLast(2), gc_grace_seconds=0
+    ) as mgr:
+        assert mgr.restore(state) is None
+        for step in range(1, 7):
+            g = torch.Generator().manual_seed(step * 10 + rank)
+            loss = state["model"](torch.randn(4, 8, generator=g)).pow(2).mean()
+            state["optimizer"].zero_grad()
+            loss.backward()
+            state["optimizer"].step()
+            state["step"] = step
+            mgr.save(step, state, metrics={"loss": loss.item()})
+        expected = state["model"].module.weight.detach().clone()
+        assert [c.step for c in mgr.checkpoints()] == [4, 6]
+    fresh = build()
+    with stepvault.CheckpointManager(root, "ddp") as mgr:
+        info = mgr.restore(fresh)
+        assert info.step == 6 and fresh["step"] == 6
+        assert torch.equal(fresh["model"].module.weight, expected)
+        momentum = fresh["optimizer"].state_dict()["state"][0]["momentum_buffer"]
+        assert momentum is not None and momentum.shape == (4, 8)

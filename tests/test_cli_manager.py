@@ -28,8 +28,23 @@ def test_gc_dry_run_then_real(tmp_path):
     assert out.exit_code == 0, out.output
     assert "delete" in out.output and "newest" in out.output
     assert stepvault.open(tmp_path).steps("r") == [1, 2, 3, 4, 5, 6]  # dry run
-    out = runner.invoke(app, [*base, "gc", "r", "--keep-last", "2", "--keep-best", "1",
-                              "--metric", "val_loss", "--grace", "0", "--json"])
+    out = runner.invoke(
+        app,
+        [
+            *base,
+            "gc",
+            "r",
+            "--keep-last",
+            "2",
+            "--keep-best",
+            "1",
+            "--metric",
+            "val_loss",
+            "--grace",
+            "0",
+            "--json",
+        ],
+    )
     doc = json.loads(out.output)
     assert doc["deleted_checkpoints"] == [1, 2, 4]
     assert doc["deleted_objects"] > 0 and doc["freed_bytes"] > 0

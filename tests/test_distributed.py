@@ -170,3 +170,15 @@ def test_rank0_only_save_of_sharded_state_is_refused(tmp_path):
     _spawn(2, "rank0_only_sharded_save", tmp_path / "store", tmp_path)
     assert "only that rank's shards" in (tmp_path / "err.txt").read_text()
     assert not (tmp_path / "store" / "runs").exists()
+
+
+def test_manager_with_ddp_on_every_rank(tmp_path):
+    _spawn(2, "manager_ddp", tmp_path / "store", tmp_path)
+    from stepvault.store.events import read_events
+
+    events = [e["event"] for e in read_events(stepvault.open(tmp_path / "store").store, "ddp")]
+    assert events.count("save") == 3 and events.count("delete") == 1  # logged once, by rank 0
+    assert stepvault.verify(tmp_path / "store", deep=True).ok
+    # and a single process can read the DDP checkpoint as a full state dict
+    full = stepvault.open(tmp_path / "store").checkpoint("ddp").load()
+    assert full["model"]["weight"].shape == (4, 8)

@@ -19,6 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from ..api import (
     RestoreInfo,
     SaveInfo,
@@ -27,6 +29,7 @@ from ..api import (
     restore_candidates,
     write_manifest,
 )
+from ..dist.state import distributed_active
 from ..engine import to_host
 from ..engine.background import BackgroundWriter
 from ..engine.gc import DEFAULT_GRACE_SECONDS, sweep
@@ -42,6 +45,7 @@ from ..policy import (
     SaveContext,
     SaveDecision,
     SavePolicy,
+    merge_decisions,
     plan_retention,
 )
 from ..state.snapshot import take_snapshot
@@ -201,10 +205,14 @@ class CheckpointManager:
         self.gc_grace_seconds = gc_grace_seconds
         self.workers = workers
         self._best = self._best_metrics(best_metric, best_mode)
-        self._lease = acquire_lease(self.store, self.run, stale_after=lease_stale_after)
+        # Under a process group every rank has a manager; rank 0 holds the lease, logs
+        # events and applies retention, and saves are collective (synchronous for now).
+        self._dist = distributed_active()
+        self._rank = torch.distributed.get_rank() if self._dist else 0
+        self._lease = self._acquire_lease(lease_stale_after)
         self._closed = False
         self._lock = threading.RLock()
-        self._bg = BackgroundWriter() if async_save else None
+        self._bg = BackgroundWriter() if async_save and not self._dist else None
         self._staging = StagingArea()
         self._stats = _Stats()
         self._records: dict[int, CheckpointRecord] = {}
@@ -222,16 +230,35 @@ class CheckpointManager:
         try:
             self.save_policy.install()
         except BaseException:
-            self._lease.release()
+            if self._lease is not None:
+                self._lease.release()
             raise
         self._stop = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop,
-            args=(lease_stale_after / 3,),
-            daemon=True,
-            name="stepvault-lease",
-        )
-        self._heartbeat.start()
+        if self._lease is not None:
+            self._heartbeat = threading.Thread(
+                target=self._heartbeat_loop,
+                args=(lease_stale_after / 3,),
+                daemon=True,
+                name="stepvault-lease",
+            )
+            self._heartbeat.start()
+
+    def _acquire_lease(self, stale_after: float) -> Any:
+        if not self._dist:
+            return acquire_lease(self.store, self.run, stale_after=stale_after)
+        lease, error = None, None
+        if self._rank == 0:
+            try:
+                lease = acquire_lease(self.store, self.run, stale_after=stale_after)
+            except StepvaultError as exc:
+                error = str(exc)
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        if box[0] is not None:  # every rank fails together, none hangs later
+            from ..store.lease import LeaseHeldError
+
+            raise LeaseHeldError(box[0])
+        return lease
 
     # ----------------------------------------------------------------------------- helpers
     def _best_metrics(self, metric: str | None, mode: str) -> list[tuple[str, str]]:
@@ -289,6 +316,8 @@ class CheckpointManager:
             return None
 
     def _event(self, event: str, **fields: Any) -> None:
+        if self._rank != 0:
+            return  # one event log per run: the coordinator writes it
         try:
             log_event(self.store, self.run, event, **fields)
         except OSError:
@@ -311,6 +340,10 @@ class CheckpointManager:
         decision = self.save_policy.decide(self._context(step, epoch))
         if decision is not None and not decision.urgent and step == self._last_save_step:
             decision = None  # already saved (or just restored) at this step
+        if self._dist:  # every rank must take the same decision (clocks, signals differ)
+            everyone: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, decision)
+            decision = merge_decisions([d for d in everyone if d is not None])
         self._pending_decision = (step, decision)
         return decision
 
@@ -356,6 +389,8 @@ class CheckpointManager:
         if decision is None:
             return None
         ctx = self._context(step, epoch)
+        if self._dist:
+            return self._save_collective(step, state, ctx, decision, epoch, metrics)
         background = self._bg is not None and not decision.urgent
         if self._bg is not None and self._bg.busy:
             if background and self.if_busy == "skip":
@@ -402,6 +437,92 @@ class CheckpointManager:
             self._stats.stalls[-1] = handle.stall_seconds
         self.save_policy.saved(ctx, decision)
         self._save_cost = handle.stall_seconds
+        if decision.exit_code is not None:
+            self._event(
+                "exit_after_save", step=step, exit_code=decision.exit_code, reason=decision.reason
+            )
+            self.close()
+            raise SystemExit(decision.exit_code)
+        return handle
+
+    def _save_collective(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        ctx: SaveContext,
+        decision: SaveDecision,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+    ) -> SaveHandle | None:
+        """Every rank writes its shards; rank 0 commits, logs and applies retention."""
+        from ..api import _encode_metrics
+        from ..dist.api import save_state
+        from ..state.snapshot import weights_only
+
+        t0 = time.perf_counter()
+        part = weights_only(state) if decision.kind == "weights" else state
+        try:
+            save_state(
+                self.store,
+                part,
+                run=self.run,
+                step=step,
+                epoch=epoch,
+                metrics=_encode_metrics(metrics),
+                codec=self.codec,
+                workers=self.workers,
+            )
+            m = parse_manifest(self.store.read_manifest(self.run, step), f"{self.run}@{step}")
+        except BaseException as exc:
+            self._failed(step, exc)
+            self._raise_or_warn(exc)
+            return None
+        seconds = time.perf_counter() - t0
+        info = SaveInfo(
+            self.run,
+            step,
+            epoch,
+            m.logical_bytes,
+            m.stored_bytes,
+            int(m.stats.get("new_bytes", 0)),
+            len(m.objects),
+            0,
+            seconds,
+            decision.kind,
+        )
+        with self._lock:
+            self._stats.saves += 1
+            self._stats.stalls.append(seconds)
+            self._stats.writes.append(seconds)
+            self._stats.new_bytes += info.new_bytes
+            self._stats.logical_bytes += info.logical_bytes
+            self._records[step] = CheckpointRecord(
+                step, m.created, dict(m.metrics), decision.kind, m.epoch
+            )
+        self._event(
+            "save",
+            step=step,
+            kind=decision.kind,
+            reason=decision.reason,
+            asynchronous=False,
+            world_size=torch.distributed.get_world_size(),
+            logical_bytes=info.logical_bytes,
+            stored_bytes=info.stored_bytes,
+            new_bytes=info.new_bytes,
+            stall_seconds=seconds,
+            write_seconds=seconds,
+        )
+        try:
+            if self._rank == 0 and self.keep_policy is not None:
+                self._apply_retention()
+        finally:
+            torch.distributed.barrier()  # every rank sees the same store after the save
+        self._last_save_step = step
+        self._last_save_time = ctx.now
+        self.save_policy.saved(ctx, decision)
+        self._save_cost = seconds
+        handle = SaveHandle(step, decision.kind, decision.reason, seconds, False)
+        handle._info = info
         if decision.exit_code is not None:
             self._event(
                 "exit_after_save", step=step, exit_code=decision.exit_code, reason=decision.reason
@@ -562,19 +683,28 @@ class CheckpointManager:
         else:
             candidates = [validate_step(step)]
             fallback = False
+        if self._dist:  # rank 0's view of the candidates, so every rank tries the same ones
+            box = [candidates]
+            torch.distributed.broadcast_object_list(box, src=0)
+            candidates = box[0]
         if not candidates:
             self._event("restore", step=None, result="fresh start")
             return None
         try:
-            info = restore_candidates(
-                self.store,
-                state,
-                self.run,
-                candidates,
-                fallback=fallback,
-                strict=strict,
-                workers=self.workers,
-            )
+            if self._dist or any(
+                self._record(c).kind == "full" and self._is_sharded(c) for c in candidates[:1]
+            ):
+                info = self._restore_collective(state, candidates, fallback)
+            else:
+                info = restore_candidates(
+                    self.store,
+                    state,
+                    self.run,
+                    candidates,
+                    fallback=fallback,
+                    strict=strict,
+                    workers=self.workers,
+                )
         except BaseException as exc:
             self._stats.restores += 1
             self._stats.restore_failures += 1
@@ -605,6 +735,49 @@ class CheckpointManager:
             bytes_read=info.bytes_read,
         )
         return info
+
+    def _is_sharded(self, step: int) -> bool:
+        from ..api import _is_sharded
+
+        return _is_sharded(self.store, self.run, step)
+
+    def _restore_collective(
+        self, state: MutableMapping[str, Any], candidates: list[int], fallback: bool
+    ) -> RestoreInfo:
+        """Every rank loads its part (resharding as needed); all fall back together."""
+        from ..api import RestoreInfo, SkippedCheckpoint
+        from ..dist.api import _is_damage, restore_state
+
+        t0 = time.perf_counter()
+        skipped: list[Any] = []
+        for candidate in candidates:
+            try:
+                chosen = restore_state(
+                    self.store, state, run=self.run, step=candidate, workers=self.workers
+                )
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt | SystemExit):
+                    raise
+                if not fallback or not _is_damage(exc):
+                    raise
+                skipped.append(SkippedCheckpoint(candidate, str(exc)))
+                continue
+            m = parse_manifest(self.store.read_manifest(self.run, chosen), f"{self.run}@{chosen}")
+            return RestoreInfo(
+                self.run,
+                chosen,
+                m.epoch,
+                dict(m.metrics),
+                m.metadata,
+                m.created,
+                m.kind,
+                skipped=skipped,
+                seconds=time.perf_counter() - t0,
+                bytes_read=m.logical_bytes,
+            )
+        raise NoValidCheckpointError(
+            f"no checkpoint of run {self.run!r} could be restored on every rank", skipped
+        )
 
     # ----------------------------------------------------------------------- queries
     def checkpoints(self) -> list[CheckpointSummary]:
@@ -681,7 +854,8 @@ class CheckpointManager:
             self.save_policy.uninstall()
             self._staging.release()
             try:
-                self._lease.release()
+                if self._lease is not None:
+                    self._lease.release()
             except OSError:
                 pass
         if error is not None:
