@@ -182,3 +182,33 @@ def test_manager_with_ddp_on_every_rank(tmp_path):
     # and a single process can read the DDP checkpoint as a full state dict
     full = stepvault.open(tmp_path / "store").checkpoint("ddp").load()
     assert full["model"]["weight"].shape == (4, 8)
+
+
+def test_import_dcp_directory_needs_trust(tmp_path):
+    from typer.testing import CliRunner
+
+    from stepvault.cli.main import app
+
+    src = tmp_path / "dcp"
+    state = {"model": dist_workers.full_tensors(), "meta": {"epoch": 3, "tags": ["a", "b"]}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(src)))
+    runner = CliRunner()
+    base = [
+        "--root",
+        str(tmp_path / "store"),
+        "import-dcp",
+        str(src),
+        "--run",
+        "imp",
+        "--step",
+        "5",
+    ]
+    refused = runner.invoke(app, base)
+    assert refused.exit_code == 2 and "pickle" in refused.output and "--trust" in refused.output
+    assert not (tmp_path / "store").exists()
+    ok = runner.invoke(app, [*base, "--trust"])
+    assert ok.exit_code == 0, ok.output
+    loaded = stepvault.open(tmp_path / "store").checkpoint("imp@5").load()
+    for k, v in state["model"].items():
+        assert torch.equal(loaded["model"][k], v)
+    assert loaded["meta"] == {"epoch": 3, "tags": ["a", "b"]}

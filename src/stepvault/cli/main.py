@@ -268,6 +268,32 @@ def repair_cmd(
     return None
 
 
+@app.command("import-dcp")
+def import_dcp_cmd(
+    path: Annotated[str, typer.Argument(help="A torch.distributed.checkpoint directory.")],
+    run: Annotated[str, typer.Option(help="Run to import into.")],
+    step: Annotated[int, typer.Option(help="Step of the imported checkpoint.")],
+    root: RootOpt = None,
+    trust: Annotated[
+        bool, typer.Option("--trust", help="UNSAFE for files from others: unpickles metadata.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Import a DCP checkpoint directory (its metadata is a pickle: needs --trust)."""
+    try:
+        info = ops.import_dcp(_root(root), path, run=run, step=step, trust=trust)
+    except (StepvaultError, ValueError, OSError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(info.__dict__)
+    console.print(
+        f"imported {path} as {run}@{step}: {human_bytes(info.logical_bytes)} logical, "
+        f"{human_bytes(info.new_bytes)} new",
+        highlight=False,
+    )
+    return None
+
+
 def _parse_duration(text: str) -> float:
     """'90s', '30m', '12h', '7d' -> seconds."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}

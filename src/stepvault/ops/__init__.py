@@ -1,6 +1,7 @@
 """Operations on a whole store: verification and usage (later: gc, tiering, import)."""
 
 from .gc import GCResult, collect_garbage
+from .importing import UntrustedInputError, import_dcp
 from .repair import RepairReport, repair_store
 from .usage import RunUsage, StoreUsage, store_usage, usage
 from .verify import CheckpointReport, VerifyReport, verify, verify_store
@@ -11,8 +12,10 @@ __all__ = [
     "RepairReport",
     "RunUsage",
     "StoreUsage",
+    "UntrustedInputError",
     "VerifyReport",
     "collect_garbage",
+    "import_dcp",
     "repair_store",
     "store_usage",
     "usage",
