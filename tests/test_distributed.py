@@ -212,3 +212,28 @@ def test_import_dcp_directory_needs_trust(tmp_path):
     for k, v in state["model"].items():
         assert torch.equal(loaded["model"][k], v)
     assert loaded["meta"] == {"epoch": 3, "tags": ["a", "b"]}
+
+
+def test_single_process_collective_save_resumes_on_4_fsdp_ranks(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 4),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": torch.optim.lr_scheduler.StepLR(opt, 2),
+        "rng": stepvault.RNGState(),
+        "step": 0,
+    }
+    dist_workers._train(state, 3)
+    stepvault.save(tmp_path / "store", state, run="f", step=3, collective=True)
+    _spawn(4, "fsdp_restore", tmp_path / "store", tmp_path)
+    restored = _pt(tmp_path / "restored.pt")
+    for k, v in model.state_dict().items():
+        assert torch.equal(restored[f"model.{k}"], v), k
