@@ -238,3 +238,26 @@ def task_manager_ddp(rank, world, root, out):
         assert torch.equal(fresh["model"].module.weight, expected)
         momentum = fresh["optimizer"].state_dict()["state"][0]["momentum_buffer"]
         assert momentum is not None and momentum.shape == (4, 8)
+
+
+def task_rank1_killed_mid_save(rank, world, root, out):
+    import signal
+
+    import stepvault.dist as sd
+    from stepvault.dist import storage
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd.save_sharded(root, make_state(mesh), run="r", step=1)
+    if rank == 1:
+        original = storage.StepvaultWriter.write_data
+
+        def dying(self, plan, planner):
+            original(self, plan, planner)  # its objects are written ...
+            os.kill(os.getpid(), signal.SIGKILL)  # ... then the rank dies before reporting
+
+        storage.StepvaultWriter.write_data = dying
+    try:
+        sd.save_sharded(root, make_state(mesh), run="r", step=2)
+    except BaseException as exc:
+        with open(os.path.join(out, f"err{rank}.txt"), "w") as f:
+            f.write(repr(exc))

@@ -237,3 +237,18 @@ def test_single_process_collective_save_resumes_on_4_fsdp_ranks(tmp_path):
     restored = _pt(tmp_path / "restored.pt")
     for k, v in model.state_dict().items():
         assert torch.equal(restored[f"model.{k}"], v), k
+
+
+def test_a_killed_rank_commits_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(mp.ProcessExitedException):
+        mp.start_processes(
+            dist_workers.run,
+            args=(2, _port(), "rank1_killed_mid_save", str(tmp_path / "store"), str(out)),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
+    assert stepvault.open(tmp_path / "store").steps("r") == [1]
+    assert stepvault.verify(tmp_path / "store", deep=True).ok
