@@ -252,3 +252,15 @@ def test_a_killed_rank_commits_nothing(tmp_path):
         )
     assert stepvault.open(tmp_path / "store").steps("r") == [1]
     assert stepvault.verify(tmp_path / "store", deep=True).ok
+
+
+def test_export_from_a_multi_rank_checkpoint(fsdp_on_2, tmp_path):
+    from safetensors.torch import load_file
+
+    root, ref = fsdp_on_2
+    out = tmp_path / "w.safetensors"
+    stepvault.ops.export_weights(stepvault.open(root).store, "f", 3, out)
+    weights = load_file(out)
+    saved = _pt(ref / "saved.pt")
+    assert set(weights) == {k[len("model.") :] for k in saved if k.startswith("model.")}
+    assert all(torch.equal(weights[k], saved[f"model.{k}"]) for k in weights)

@@ -10,6 +10,7 @@ Content-addressed, verified, pickle-free checkpoints::
 
 __version__ = "0.1.0"
 
+from . import ops
 from .api import (
     RestoreInfo,
     SaveInfo,
@@ -66,6 +67,7 @@ __all__ = [
     "Vault",
     "__version__",
     "open",
+    "ops",
     "parse_ref",
     "register_type",
     "restore",

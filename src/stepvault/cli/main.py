@@ -268,6 +268,55 @@ def repair_cmd(
     return None
 
 
+@app.command("export")
+def export_cmd(
+    ref: Annotated[str, typer.Argument(help="RUN@STEP (or RUN for the latest).")],
+    output: Annotated[str, typer.Option("--output", "-o", help="FILE.safetensors or DIR.")],
+    root: RootOpt = None,
+    module: Annotated[str | None, typer.Option(help="Module to export (if several).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Cast floats, e.g. bfloat16.")] = None,
+    include: Annotated[str | None, typer.Option(help="Regex on tensor names.")] = None,
+    strip_prefix: Annotated[str | None, typer.Option(help="Remove this name prefix.")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Split a DIR export above this.")] = "5GB",
+    as_json: JsonOpt = False,
+) -> None:
+    """Export weights as safetensors (one file, or an HF-style sharded set with an index)."""
+    try:
+        run, step = parse_ref(ref)
+        report = ops.export_weights(
+            Store.open(_root(root)),
+            run,
+            step,
+            output,
+            module=module,
+            dtype=dtype,
+            include=include,
+            strip_prefix=strip_prefix,
+            max_shard_size=max_shard_size,
+        )
+        store = Store.open(_root(root))
+        log_event(
+            store,
+            run,
+            "export",
+            step=step,
+            output=output,
+            tensors=report.tensors,
+            bytes=report.total_bytes,
+            cast=dtype,
+        )
+    except (StepvaultError, ValueError, OSError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(report.to_json())
+    console.print(
+        f"exported {report.tensors} tensors ({human_bytes(report.total_bytes)}) to "
+        f"{', '.join(report.files)}",
+        highlight=False,
+    )
+    return None
+
+
 @app.command("import-dcp")
 def import_dcp_cmd(
     path: Annotated[str, typer.Argument(help="A torch.distributed.checkpoint directory.")],

@@ -1,5 +1,6 @@
 """Operations on a whole store: verification and usage (later: gc, tiering, import)."""
 
+from .export import ExportReport, export_weights
 from .gc import GCResult, collect_garbage
 from .importing import UntrustedInputError, import_dcp
 from .repair import RepairReport, repair_store
@@ -8,6 +9,7 @@ from .verify import CheckpointReport, VerifyReport, verify, verify_store
 
 __all__ = [
     "CheckpointReport",
+    "ExportReport",
     "GCResult",
     "RepairReport",
     "RunUsage",
@@ -15,6 +17,7 @@ __all__ = [
     "UntrustedInputError",
     "VerifyReport",
     "collect_garbage",
+    "export_weights",
     "import_dcp",
     "repair_store",
     "store_usage",

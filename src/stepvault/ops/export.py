@@ -1,0 +1,177 @@
+"""Export the weights of a checkpoint as safetensors (one file, or an HF-style sharded set).
+
+Works for single-process and multi-rank checkpoints alike (shards are assembled into full
+tensors in one process). Optional dtype cast, name filter and prefix strip. Needs the
+``safetensors`` package (``pip install 'stepvault[export]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import StepvaultError
+from ..format.encoding import torch_dtype
+from ..store import Store
+from ..vault import Vault
+
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class ExportReport:
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    total_bytes: int = 0
+    cast: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _unescape(name: str) -> str:
+    return name.replace("%2F", "/").replace("%25", "%")
+
+
+def weight_tensors(vault: Vault, run: str, step: int | str | None, module: str | None):
+    """(export name, loader) pairs of a checkpoint's module weights, in stored order."""
+    ckpt = vault.checkpoint(run, step)
+    m = ckpt.manifest
+    if m.sharded:
+        entries = m.sharded["entries"]
+        tag = "__stepvault_kinds__"
+        kinds = {  # DCP flattens the kinds dict into one value entry per key
+            fqn[len(tag) + 1 :]: e["value"]
+            for fqn, e in entries.items()
+            if fqn.startswith(tag + ".") and e["type"] == "value"
+        }
+        modules = [k for k, v in kinds.items() if v == "module"] or sorted(
+            {fqn.split(".", 1)[0] for fqn, e in entries.items() if e["type"] == "tensor"}
+        )
+        chosen = _choose(module, modules, m)
+        paths = m.sharded.get("paths", {})
+        for fqn, e in entries.items():
+            path = paths.get(fqn) or fqn.split(".", 1)
+            if e["type"] == "tensor" and path[0] == chosen:
+                yield ".".join(str(p) for p in path[1:]), (lambda f=fqn: ckpt.tensor(f))
+        return
+    modules = [k for k, v in m.state_kinds.items() if v == "module"]
+    chosen = _choose(module, modules, m)
+    prefix = chosen.replace("%", "%25").replace("/", "%2F") + "/"
+    for name, entry in m.tensors.items():
+        if name.startswith(prefix) and entry.kind == "tensor":
+            yield _unescape(name[len(prefix) :]), (lambda n=name: ckpt.tensor(n))
+
+
+def _choose(module: str | None, modules: list[str], m: Any) -> str:
+    if module is not None:
+        if module not in modules:
+            raise StepvaultError(
+                f"{m.run}@{m.step} has no module {module!r} (modules: {modules or 'none'})"
+            )
+        return module
+    if len(modules) != 1:
+        raise StepvaultError(
+            f"{m.run}@{m.step} holds {len(modules)} modules {modules}: choose one with "
+            "module= (CLI: --module)"
+        )
+    return modules[0]
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '2GiB', or a number of bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"bad size {text!r}; use e.g. 5GB, 500MB, 2GiB")
+    unit = (m.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    return int(float(m.group(1)) * base**power)
+
+
+def export_weights(
+    store: Store,
+    ref_run: str,
+    step: int | str | None,
+    out: str | os.PathLike[str],
+    *,
+    module: str | None = None,
+    dtype: str | None = None,
+    include: str | None = None,
+    strip_prefix: str | None = None,
+    max_shard_size: int | str = "5GB",
+) -> ExportReport:
+    """Write the module weights of ``run@step`` to ``out``.
+
+    ``out`` ending in ``.safetensors`` is one file; otherwise a directory receives
+    ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files plus
+    ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``.
+    ``dtype`` casts floating tensors (e.g. ``bfloat16``); ``include`` is a regex on names.
+    """
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise StepvaultError("export needs safetensors: pip install 'stepvault[export]'") from exc
+    target = torch_dtype(dtype) if dtype else None
+    pattern = re.compile(include) if include else None
+    limit = parse_size(max_shard_size)
+    vault = Vault(store)
+    report = ExportReport(cast=dtype)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for name, load in weight_tensors(vault, ref_run, step, module):
+        if pattern is not None and not pattern.search(name):
+            continue
+        if strip_prefix and name.startswith(strip_prefix):
+            name = name[len(strip_prefix) :]
+        t = load()
+        if target is not None and t.dtype in _CASTABLE:
+            t = t.to(target)
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if sizes[-1] and sizes[-1] + nbytes > limit:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = t
+        sizes[-1] += nbytes
+        report.tensors += 1
+        report.total_bytes += nbytes
+    if report.tensors == 0:
+        raise StepvaultError(f"nothing to export from {ref_run}@{step} (filter {include!r})")
+    out = os.fspath(out)
+    meta = {"format": "pt", "stepvault_source": f"{ref_run}@{step}"}
+    if out.endswith(".safetensors"):
+        if len(shards) > 1:
+            raise StepvaultError(
+                f"weights ({report.total_bytes} bytes) exceed max_shard_size; export to a "
+                "directory to get a sharded set"
+            )
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        save_file(shards[0], out, metadata=meta)
+        report.files.append(out)
+        return report
+    os.makedirs(out, exist_ok=True)
+    if len(shards) == 1:
+        path = os.path.join(out, "model.safetensors")
+        save_file(shards[0], path, metadata=meta)
+        report.files.append(path)
+        return report
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out, fname), metadata=meta)
+        report.files.append(os.path.join(out, fname))
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": report.total_bytes}, "weight_map": weight_map}
+    index_path = os.path.join(out, "model.safetensors.index.json")
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+    report.files.append(index_path)
+    return report
