@@ -214,7 +214,8 @@ def test_import_dcp_directory_needs_trust(tmp_path):
     assert loaded["meta"] == {"epoch": 3, "tags": ["a", "b"]}
 
 
-def test_single_process_collective_save_resumes_on_4_fsdp_ranks(tmp_path):
+@pytest.mark.parametrize("collective", [None, True])
+def test_single_process_save_resumes_on_4_fsdp_ranks(tmp_path, collective):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 32),
@@ -232,11 +233,15 @@ def test_single_process_collective_save_resumes_on_4_fsdp_ranks(tmp_path):
         "step": 0,
     }
     dist_workers._train(state, 3)
-    stepvault.save(tmp_path / "store", state, run="f", step=3, collective=True)
+    # collective=None: the ordinary single-process format; True: the multi-rank format
+    stepvault.save(tmp_path / "store", state, run="f", step=3, collective=collective)
     _spawn(4, "fsdp_restore", tmp_path / "store", tmp_path)
     restored = _pt(tmp_path / "restored.pt")
     for k, v in model.state_dict().items():
         assert torch.equal(restored[f"model.{k}"], v), k
+    for name, param in model.named_parameters():  # optimizer state follows each parameter
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(restored[f"opt.{name}.{k}"], opt.state[param][k]), (name, k)
 
 
 def test_a_killed_rank_commits_nothing(tmp_path):
