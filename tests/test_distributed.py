@@ -89,6 +89,7 @@ def test_full_state_dict_from_a_sharded_checkpoint(saved_on_4):
     assert loaded["extra"] == {"step": 7, "betas": (0.9, 0.99)}
 
 
+@pytest.mark.slow
 def test_saved_on_1_loads_on_4(tmp_path):
     root = tmp_path / "store1"
     sd.save_sharded(
@@ -158,7 +159,7 @@ def test_fsdp2_resume_on_same_world_size_is_bitwise(fsdp_on_2, tmp_path):
     assert all(torch.equal(continued[k], resumed[k]) for k in continued)
 
 
-@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp2_checkpoint_reshards_to_other_world_sizes(fsdp_on_2, tmp_path, world):
     root, ref = fsdp_on_2
     _spawn(world, "fsdp_restore", root, tmp_path)
@@ -214,7 +215,7 @@ def test_import_dcp_directory_needs_trust(tmp_path):
     assert loaded["meta"] == {"epoch": 3, "tags": ["a", "b"]}
 
 
-@pytest.mark.parametrize("collective", [None, True])
+@pytest.mark.parametrize("collective", [None, pytest.param(True, marks=pytest.mark.slow)])
 def test_single_process_save_resumes_on_4_fsdp_ranks(tmp_path, collective):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
