@@ -138,13 +138,19 @@ class CheckpointReader:
         if entry.nbytes == 0:
             return True
         flat = dst.detach().reshape(-1).view(torch.uint8)
+        # numpy's copy releases the GIL and runs at memory speed (torch's copy_ was 2-4x
+        # slower for plain CPU byte copies here); other devices go through torch.
+        host = flat.numpy() if flat.device.type == "cpu" else None
         at = 0
         with torch.no_grad():
             for digest, off, length in entry.chunks:
                 src = self._object(digest)[off : off + length]
                 if src.nbytes != length:
                     raise CorruptObjectError(f"object {digest[:16]}… is shorter than expected")
-                flat[at : at + length].copy_(torch.frombuffer(src, dtype=torch.uint8))
+                if host is not None:
+                    np.copyto(host[at : at + length], np.frombuffer(src, dtype=np.uint8))
+                else:
+                    flat[at : at + length].copy_(torch.frombuffer(src, dtype=torch.uint8))
                 at += length
         return True
 

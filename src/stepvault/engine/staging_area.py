@@ -8,6 +8,8 @@ are pinned, so device-to-host copies are asynchronous DMA.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,23 @@ import torch
 from ..format.dtypes import dtype_from_numpy
 from ..format.encoding import torch_dtype_name
 from .staging import HostArray
+
+_COPY_POOL: ThreadPoolExecutor | None = None
+
+
+def _parallel_copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Copy (dst, src) byte arrays, spread over the cores when there is enough to copy."""
+    global _COPY_POOL
+    total = sum(src.nbytes for _, src in pairs)
+    if total < (64 << 20) or len(pairs) < 2:
+        for dst, src in pairs:
+            np.copyto(dst, src)
+        return
+    if _COPY_POOL is None:
+        _COPY_POOL = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 2), thread_name_prefix="stepvault-stage"
+        )
+    list(_COPY_POOL.map(lambda pair: np.copyto(*pair), pairs))
 
 
 class StagingArea:
@@ -41,11 +60,16 @@ class StagingArea:
         """Copy every tensor/array into its buffer; returns host views of the copies."""
         out: dict[str, HostArray] = {}
         needs_sync = False
+        host_copies: list[tuple[np.ndarray, np.ndarray]] = []
         for name, value in arrays.items():
             if isinstance(value, torch.Tensor):
                 t = value.detach()
                 buf = self._buffer(name, t.numel() * t.element_size())
-                if t.numel():
+                if t.numel() and t.device.type == "cpu" and t.is_contiguous():
+                    # numpy's copy runs at memory speed and releases the GIL; torch's copy_
+                    # measured 2-4x slower for plain CPU byte copies on these machines.
+                    host_copies.append((buf.numpy(), t.reshape(-1).view(torch.uint8).numpy()))
+                elif t.numel():
                     dst = buf.view(t.dtype).view(t.shape)
                     dst.copy_(t, non_blocking=t.device.type == "cuda")
                     needs_sync |= t.device.type == "cuda"
@@ -58,6 +82,7 @@ class StagingArea:
                 dst = buf.numpy().view(arr.dtype.newbyteorder("<")).reshape(arr.shape)
                 np.copyto(dst, arr)
                 out[name] = HostArray("ndarray", dt, list(arr.shape), memoryview(buf.numpy()))
+        _parallel_copy(host_copies)
         if needs_sync:
             torch.cuda.synchronize()
         for name in list(self._buffers):
