@@ -37,7 +37,7 @@ def make_state(mesh, *, zeros: bool = False) -> dict:
 
 def run(rank: int, world: int, port: int, task: str, root: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         globals()[f"task_{task}"](rank, world, root, out)
         result = "ok"

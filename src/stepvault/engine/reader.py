@@ -121,12 +121,13 @@ class CheckpointReader:
             return np.lib.stride_tricks.as_strided(one, entry.shape, [0] * len(entry.shape))
         return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype), device="meta")
 
-    def read_into(self, name: str, dst: torch.Tensor) -> bool:
-        """Copy a verified tensor straight into ``dst`` (no intermediate buffer).
+    def read_into(self, name: str | TensorEntry, dst: torch.Tensor) -> bool:
+        """Copy a verified tensor (by name, or a TensorEntry such as a shard) straight into
+        ``dst`` (no intermediate buffer).
 
         Returns False, touching nothing, when ``dst`` does not fit (shape, dtype, layout).
         """
-        entry = self.manifest.tensors[name]
+        entry = name if isinstance(name, TensorEntry) else self.manifest.tensors[name]
         if (
             entry.kind != "tensor"
             or tuple(dst.shape) != tuple(entry.shape)
