@@ -6,10 +6,8 @@ import json
 import os
 import pickle
 import random
-import subprocess
 import sys
 import tracemalloc
-import uuid
 import warnings
 from pathlib import Path
 
@@ -252,18 +250,9 @@ def test_repair_quarantines_damaged_checkpoints(tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_fs(make_tmpfs):
+    """A 3 MiB tmpfs (needs root); skipped cleanly where it cannot be mounted."""
+    return make_tmpfs("3m")
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import uuid
 
 import pytest
 import torch
@@ -93,19 +91,9 @@ def test_failure_before_commit_leaves_no_checkpoint(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def tiny_fs(tmp_path):
+def tiny_fs(make_tmpfs):
     """A 2 MiB tmpfs (needs root); skipped cleanly where it cannot be mounted."""
-    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return make_tmpfs("2m")
 
 
 def test_out_of_space_keeps_earlier_checkpoints(tiny_fs):

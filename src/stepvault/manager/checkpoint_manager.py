@@ -106,6 +106,15 @@ class _SaveAlways(SavePolicy):
         return "Always()"
 
 
+def read_record(store: Store, run: str, step: int) -> CheckpointRecord:
+    """The keep-policy record of one checkpoint (``valid=False`` if its manifest is unreadable)."""
+    try:
+        m = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
+    except StepvaultError:
+        return CheckpointRecord(step, 0.0, valid=False)
+    return CheckpointRecord(step, m.created, dict(m.metrics), m.kind, m.epoch)
+
+
 def checkpoint_records(
     store: Store, run: str, cache: dict[int, CheckpointRecord] | None = None
 ) -> list[CheckpointRecord]:
@@ -119,12 +128,7 @@ def checkpoint_records(
     for step in store.list_steps(run):
         rec = cache.get(step)
         if rec is None:
-            try:
-                m = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
-                rec = CheckpointRecord(step, m.created, dict(m.metrics), m.kind, m.epoch)
-            except StepvaultError:
-                rec = CheckpointRecord(step, 0.0, valid=False)
-            cache[step] = rec
+            rec = cache[step] = read_record(store, run, step)
         if (step in pinned) != rec.pinned:
             rec = dataclasses.replace(rec, pinned=step in pinned)
         out.append(rec)
@@ -591,12 +595,7 @@ class CheckpointManager:
     def _record(self, step: int) -> CheckpointRecord:
         rec = self._records.get(step)
         if rec is None:
-            try:
-                m = parse_manifest(self.store.read_manifest(self.run, step), f"{self.run}@{step}")
-                rec = CheckpointRecord(step, m.created, dict(m.metrics), m.kind, m.epoch)
-            except StepvaultError:
-                rec = CheckpointRecord(step, 0.0, valid=False)
-            self._records[step] = rec
+            rec = self._records[step] = read_record(self.store, self.run, step)
         return rec
 
     def _all_records(self) -> list[CheckpointRecord]:
