@@ -1,14 +1,14 @@
-"""``stepvault`` command line: ls, show, verify, du (human tables, ``--json`` for scripts)."""
+"""``stepvault`` command line: ls, show, verify, du, gc, pin, events, repair, export, ...
+
+Shared options and helpers are in :mod:`stepvault.cli.common`; each further command group
+lives in its own module, imported at the bottom of this file so that it registers on ``app``.
+"""
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from .. import api, ops
@@ -16,63 +16,17 @@ from ..errors import StepvaultError
 from ..store import Store
 from ..store.events import log_event, read_events
 from ..vault import parse_ref
-
-app = typer.Typer(
-    help="stepvault: content-addressed, verified, pickle-free training checkpoints.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+from .common import (
+    JsonOpt,
+    RootOpt,
+    _emit_json,
+    _fail,
+    _root,
+    _time,
+    app,
+    console,
+    human_bytes,
 )
-console = Console()
-err_console = Console(stderr=True)
-
-RootOpt = Annotated[
-    str | None,
-    typer.Option("--root", "-r", help="Store location (default: the global --root)."),
-]
-_GLOBAL = {"root": "."}
-
-
-@app.callback()
-def _global_options(
-    root: Annotated[
-        str,
-        typer.Option(
-            "--root", "-r", envvar="STEPVAULT_ROOT", help="Store location (or $STEPVAULT_ROOT)."
-        ),
-    ] = ".",
-) -> None:
-    """stepvault: content-addressed, verified, pickle-free training checkpoints."""
-    _GLOBAL["root"] = root
-
-
-def _root(root: str | None) -> str:
-    return root if root is not None else _GLOBAL["root"]
-
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _time(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "?"
-
-
-def _emit_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-
-
-def _fail(exc: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-    raise typer.Exit(2)
 
 
 @app.command("ls")
