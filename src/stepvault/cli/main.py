@@ -445,6 +445,12 @@ def events_cmd(
     return None
 
 
+# Command groups kept in their own modules register on ``app`` when imported (one line each;
+# those modules import heavy optional dependencies inside their commands, not at import).
+# -- command groups: begin
+# -- command groups: end
+
+
 def main() -> None:
     """Entry point of the ``stepvault`` console script."""
     app()
@@ -452,3 +458,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
