@@ -30,18 +30,13 @@ The cold-restore children are this script run with the hidden ``--cold-child`` o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import ctypes.util
-import datetime as _dt
 import gc
-import importlib.metadata
 import json
 import os
-import platform
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,18 +50,36 @@ from typing import Any
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by path
+import _common
+from _common import (
+    GB,
+    MB,
+    REPO,
+    Gpt2Shape,
+    Row,
+    build_module,
+    build_state,
+    flat_specs,
+    fmt_s,
+    fsync_dir,
+    fsync_file,
+    gc_baseline,
+    gc_extra,
+    load_average,
+    make_prime,
+    median,
+    minflt,
+    remove,
+    rss_bytes,
+    sequential_writer,
+    shape_for,
+    table,
+    version,
+)
+
 import stepvault
 
-REPO = Path(__file__).resolve().parents[1]
-BEGIN = "<!-- core:begin -->"
-END = "<!-- core:end -->"
-INTRO = (
-    "# stepvault benchmarks\n\n"
-    "Numbers measured on the machine named with each section. Sections between markers are\n"
-    "generated; regenerate them with the command given inside, do not edit them by hand.\n"
-)
-GB = 1e9
-MB = 1e6
 PAGE = os.sysconf("SC_PAGE_SIZE")
 RESTORE_TARGET = 1.2
 BF16_RATIO_TARGET = 0.70
@@ -80,176 +93,25 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
 # -- state --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Gpt2Shape:
-    n_layer: int = 12
-    vocab: int = 50257
-    n_ctx: int = 1024
-    d: int = 768
-
-    def params(self) -> dict[str, tuple[int, ...]]:
-        d = self.d
-        shapes: dict[str, tuple[int, ...]] = {
-            "wte.weight": (self.vocab, d),
-            "wpe.weight": (self.n_ctx, d),
-        }
-        for i in range(self.n_layer):
-            p = f"h.{i}."
-            shapes.update(
-                {
-                    p + "ln_1.weight": (d,),
-                    p + "ln_1.bias": (d,),
-                    p + "attn.c_attn.weight": (d, 3 * d),
-                    p + "attn.c_attn.bias": (3 * d,),
-                    p + "attn.c_proj.weight": (d, d),
-                    p + "attn.c_proj.bias": (d,),
-                    p + "ln_2.weight": (d,),
-                    p + "ln_2.bias": (d,),
-                    p + "mlp.c_fc.weight": (d, 4 * d),
-                    p + "mlp.c_fc.bias": (4 * d,),
-                    p + "mlp.c_proj.weight": (4 * d, d),
-                    p + "mlp.c_proj.bias": (d,),
-                }
-            )
-        shapes["ln_f.weight"] = (d,)
-        shapes["ln_f.bias"] = (d,)
-        return shapes
-
-    def numel(self) -> int:
-        return sum(int(np.prod(s)) for s in self.params().values())
-
-    def state_bytes(self) -> int:
-        """fp32 params + exp_avg + exp_avg_sq (the per-parameter step scalars are ignored)."""
-        return 3 * 4 * self.numel()
-
-    def describe(self) -> str:
-        return (
-            f"GPT-2 shape n_layer={self.n_layer} vocab={self.vocab} n_ctx={self.n_ctx} "
-            f"d={self.d}: {self.numel() / 1e6:.1f} M params"
-        )
 
 
-def shape_for(size_mb: float | None) -> Gpt2Shape:
-    """Full GPT-2 small, or the largest scaled-down shape whose state fits ``size_mb``."""
-    full = Gpt2Shape()
-    if size_mb is None or size_mb * MB >= full.state_bytes():
-        return full
-    target = size_mb * MB
-    for n_layer in range(12, 0, -1):  # fewer blocks first
-        s = Gpt2Shape(n_layer=n_layer)
-        if s.state_bytes() <= target:
-            return s
-    for vocab in range(50257, 1023, -1024):  # then a smaller vocabulary
-        s = Gpt2Shape(n_layer=1, vocab=vocab)
-        if s.state_bytes() <= target:
-            return s
-    for d in range(768, 63, -64):  # then a narrower model
-        s = Gpt2Shape(n_layer=1, vocab=1024, n_ctx=256, d=d)
-        if s.state_bytes() <= target:
-            return s
-    return Gpt2Shape(n_layer=1, vocab=1024, n_ctx=256, d=64)
 
 
-def build_state(shape: Gpt2Shape, seed: int = 0) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``(state, flat)``: the stepvault state {"model", "optimizer"} and the same tensors flat."""
-    gen = torch.Generator().manual_seed(seed)
-    model: dict[str, torch.Tensor] = {}
-    opt_state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, (name, s) in enumerate(shape.params().items()):
-        model[name] = torch.randn(s, generator=gen) * 0.02
-        # One AdamW step's worth: exp_avg = 0.1 g, exp_avg_sq = 0.001 g² (non-negative).
-        g = torch.randn(s, generator=gen) * 0.01
-        opt_state[i] = {
-            "step": torch.tensor(1.0),
-            "exp_avg": g * 0.1,
-            "exp_avg_sq": g.square_() * 0.001,
-        }
-    groups = [
-        {
-            "lr": 6e-4,
-            "betas": (0.9, 0.95),
-            "eps": 1e-8,
-            "weight_decay": 0.1,
-            "amsgrad": False,
-            "maximize": False,
-            "foreach": None,
-            "capturable": False,
-            "differentiable": False,
-            "fused": None,
-            "params": list(range(len(model))),
-        }
-    ]
-    state = {"model": model, "optimizer": {"state": opt_state, "param_groups": groups}}
-    flat = {f"model.{k}": v for k, v in model.items()}
-    for i, st in opt_state.items():
-        for k, v in st.items():
-            flat[f"optimizer.state.{i}.{k}"] = v
-    return state, flat
 
 
-def flat_specs(shape: Gpt2Shape) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of ``build_state``'s flat tensors (all fp32), without building them."""
-    specs = {f"model.{k}": s for k, s in shape.params().items()}
-    for i, s in enumerate(shape.params().values()):
-        specs[f"optimizer.state.{i}.step"] = ()
-        specs[f"optimizer.state.{i}.exp_avg"] = s
-        specs[f"optimizer.state.{i}.exp_avg_sq"] = s
-    return specs
 
 
-def build_module(params: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A real ``nn.Module`` tree whose ``state_dict()`` names are ``params``' names, holding
-    each tensor as an ``nn.Parameter`` that shares its storage (no copy)."""
-    root = torch.nn.Module()
-    for name, t in params.items():
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            child = mod._modules.get(part)
-            if child is None:
-                child = torch.nn.Module()
-                mod.add_module(part, child)
-            mod = child
-        mod.register_parameter(leaf, torch.nn.Parameter(t))
-    return root
 
 
 # -- helpers ------------------------------------------------------------------------------
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(path.parent)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
-def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process now (VmRSS)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def resident_bytes(paths: list[Path]) -> int | None:
@@ -305,79 +167,23 @@ def drop_caches() -> str | None:
     return None
 
 
-def fmt_s(x: float) -> str:
-    return f"{x:.2f} s"
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "n/a"
 
 
 def machine_facts(workdir: Path) -> dict[str, str]:
-    mem = "n/a"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    cpu = platform.processor() or "n/a"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    du = shutil.disk_usage(workdir)
-    workdir = workdir.parent
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cores": str(os.cpu_count()),
-        "cpu": cpu,
-        "memory": mem,
-        "disk free": f"{du.free / 2**30:.1f} GiB of {du.total / 2**30:.1f} GiB ({workdir})",
-        "os": platform.platform(terse=True),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "stepvault": stepvault.__version__,
-        "safetensors": _version("safetensors"),
-        "zstandard": _version("zstandard"),
-        "zipnn": _version("zipnn"),
-        "torch threads": str(torch.get_num_threads()),
-        "stepvault source": git_state(),
-        "load average at start": load_average(),
-    }
+    return _common.machine_facts(
+        workdir,
+        {
+            "zstandard": version("zstandard"),
+            "zipnn": version("zipnn"),
+            "torch threads": str(torch.get_num_threads()),
+        },
+    )
 
 
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1/5/15 min)"
-    except OSError:
-        return "n/a"
 
 
-def git_state() -> str:
-    """Commit of the checkout and whether src/ has uncommitted changes (they were measured)."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "n/a"
-    n = len(dirty.splitlines())
-    return f"git {head}" + (f" + {n} uncommitted file(s) under src/" if n else " (clean src/)")
 
 
 # -- 2 + 3: durable save --------------------------------------------------------------------
@@ -404,44 +210,8 @@ SAVE_LABELS = {
 }
 
 
-def sequential_writer(flat: dict[str, torch.Tensor]) -> Callable[..., int]:
-    """``write(path, durable=True)``: the state's own tensor bytes into one file with large
-    sequential writes (the disk limit sees exactly the bytes the peers write)."""
-    views = [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in flat.values()]
-    logical = sum(v.nbytes for v in views)
-
-    def write_bytes(path: Path, durable: bool = True) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for view in views:
-                while view.nbytes:
-                    view = view[os.write(fd, view) :]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if durable:
-            fsync_dir(path.parent)
-        return logical
-
-    return write_bytes
 
 
-def make_prime(flat: dict[str, torch.Tensor], workdir: Path) -> Callable[[], None]:
-    write_bytes = sequential_writer(flat)
-
-    def prime() -> None:
-        # Untimed: fill the page cache with as many bytes as the timed write will need and
-        # drop them again, so every writer starts with recently used, host-backed memory.
-        # On this VM a 1.5 GB write into memory not touched for a few seconds (first write
-        # of a process, or after ~5 s idle) measured 2-5x slower than right after another
-        # write; without this the writer that follows an idle gap or the slow codec=auto
-        # save is penalised.
-        scratch = workdir / "prime.tmp"
-        write_bytes(scratch, durable=False)
-        scratch.unlink()
-
-    return prime
 
 
 def bench_save(
@@ -541,23 +311,10 @@ class RestoreResults:
         return [a / b for a, b in zip(self.times["stepvault"], self.times["safetensors"])]
 
 
-def minflt() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def gc_baseline() -> float:
-    """Collect, then time a second full collection that finds nothing (the heap walk)."""
-    gc.collect()
-    t0 = time.perf_counter()
-    gc.collect()
-    return time.perf_counter() - t0
 
 
-def gc_extra(baseline: float) -> float:
-    """Seconds a full collection now takes beyond ``baseline`` (freeing cyclic garbage)."""
-    t0 = time.perf_counter()
-    gc.collect()
-    return max(0.0, time.perf_counter() - t0 - baseline)
 
 
 def bench_restore(
@@ -1334,13 +1091,6 @@ def float_codec_breakdown(
 
 
 # -- report ---------------------------------------------------------------------------------
-@dataclass
-class Row:
-    metric: str
-    target: str
-    measured: str
-    verdict: str  # PASS | MISS | info
-    why: str = ""
 
 
 def evaluate(
@@ -1646,10 +1396,6 @@ def stage_summary(c: CodecRow, side: str) -> str:
     )
 
 
-def table(header: list[str], body: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in body]
-    return "\n".join(lines)
 
 
 def render(
@@ -1963,13 +1709,11 @@ def async_details(m: AsyncResults) -> str:
     return table(["CheckpointManager save", "median (s unless noted)", "all runs"], body)
 
 
+
+
 def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else INTRO + f"\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
-        text = text.rstrip("\n") + f"\n\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{section.rstrip()}\n{END}{tail}")
+    """Replace only this script's section of ``path`` (re-read right before writing)."""
+    _common.write_section(path, "core", section)
 
 
 # -- main -----------------------------------------------------------------------------------

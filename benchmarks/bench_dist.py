@@ -30,18 +30,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import faulthandler
-import importlib.metadata
 import json
 import linecache
 import os
-import platform
 import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -55,16 +51,22 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-BEGIN = "<!-- dist:begin -->"
-END = "<!-- dist:end -->"
-INTRO = (
-    "# stepvault benchmarks\n\n"
-    "Numbers measured on the machine named with each section. Sections between markers are\n"
-    "generated; regenerate them with the command given inside, do not edit them by hand.\n"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by path
+import _common
+from _common import (
+    GB,
+    MB,
+    REPO,
+    Row,
+    dir_bytes,
+    fmt_bytes,
+    load_average,
+    median,
+    secs,
+    table,
+    version,
 )
-GB = 1e9
-MB = 1e6
+
 SAVE_TARGET = 1.0  # stepvault / DCP save throughput
 LOAD_TARGET = 1.0  # stepvault / DCP load throughput
 DEDUP_TARGET = 0.01  # second unchanged save writes at most 1 % of the first
@@ -226,17 +228,8 @@ def check_local_shapes(state: dict[str, Any]) -> None:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
-def dir_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.stat(os.path.join(dirpath, f)).st_size
-    return total
 
 
 def file_count(path: Path) -> int:
@@ -249,79 +242,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "n/a"
 
 
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1/5/15 min)"
-    except OSError:
-        return "n/a"
 
 
-def git_state() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "n/a"
-    n = len(dirty.splitlines())
-    return f"git {head}" + (f" + {n} uncommitted file(s) under src/" if n else " (clean src/)")
 
 
 def machine_facts(workdir: Path) -> dict[str, str]:
-    import stepvault
     from stepvault.engine import default_workers
 
-    mem = "n/a"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    cpu = platform.processor() or "n/a"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    du = shutil.disk_usage(workdir)
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cores": str(os.cpu_count()),
-        "cpu": cpu,
-        "memory": mem,
-        "disk free": f"{du.free / 2**30:.1f} GiB of {du.total / 2**30:.1f} GiB ({workdir.parent})",
-        "os": platform.platform(terse=True),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "stepvault": stepvault.__version__,
-        "blake3": _version("blake3"),
-        "py-spy": _version("py-spy"),
-        "process groups": "gloo on CPU, a spawned process per rank (world size 1: a 1-rank group)",
-        "torch threads per rank": f"{torch.get_num_threads()} at world size 1, 1 above "
-        "(as torchrun sets OMP_NUM_THREADS=1)",
-        "stepvault writer/reader threads per rank": str(default_workers()),
-        "DCP FileSystemWriter": "defaults: thread_count=1, sync_files=True, single_file_per_rank",
-        "stepvault source": git_state(),
-        "load average at start": load_average(),
-    }
+    return _common.machine_facts(
+        workdir / "out",
+        {
+            "py-spy": version("py-spy"),
+            "process groups": "gloo on CPU, a spawned process per rank (world size 1: a 1-rank "
+            "group)",
+            "torch threads per rank": f"{torch.get_num_threads()} at world size 1, 1 above "
+            "(as torchrun sets OMP_NUM_THREADS=1)",
+            "stepvault writer/reader threads per rank": str(default_workers()),
+            "DCP FileSystemWriter": "defaults: thread_count=1, sync_files=True, "
+            "single_file_per_rank",
+        },
+    )
 
 
 # -- profiling (rank 0) ---------------------------------------------------------------------
@@ -704,29 +646,12 @@ def spawn_world(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- report ---------------------------------------------------------------------------------
-@dataclass
-class Row:
-    metric: str
-    target: str
-    measured: str
-    verdict: str
 
 
-def table(header: list[str], body: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return "\n".join(lines)
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", GB), ("MB", MB), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
-def secs(xs: list[float]) -> str:
-    return ", ".join(f"{x:.2f}" for x in xs)
 
 
 def world_rows(res: dict[str, Any]) -> list[Row]:
@@ -992,14 +917,11 @@ def render(
     return "\n".join(lines), all_rows
 
 
+
+
 def write_section(path: Path, section: str) -> None:
-    """Replace only our section; re-read the file right before writing (others edit it)."""
-    text = path.read_text() if path.exists() else INTRO
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
-        text = text.rstrip("\n") + f"\n\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{section.rstrip()}\n{END}{tail}")
+    """Replace only this script's section of ``path`` (re-read right before writing)."""
+    _common.write_section(path, "dist", section)
 
 
 # -- main -----------------------------------------------------------------------------------
