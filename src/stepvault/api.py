@@ -33,10 +33,12 @@ from .errors import (
 )
 from .format import CODEC_CHOICES, Encoder, Manifest, decode_value, parse_manifest
 from .format.chunking import DEFAULT_BUNDLE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_SMALL_TENSOR
+from .lineage import Lineage, write_lineage
 from .state import apply, validate
 from .state.placement import place_and_materialize
 from .state.snapshot import Snapshot, take_snapshot
 from .store import Store, validate_run_name, validate_step
+from .store.signing import Signer
 from .vault import Vault
 
 #: Settings recorded in ``stepvault.json`` when a store is created by ``save``.
@@ -136,6 +138,11 @@ def _collective(state: Mapping[str, Any], collective: bool | None) -> bool:
     return bool(collective) or sharded or distributed_active()
 
 
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def new_manifest(
     run: str,
     step: int,
@@ -145,6 +152,7 @@ def new_manifest(
     kind: str = "full",
     metrics: Mapping[str, Any] | None = None,
     metadata: Any = None,
+    lineage: str | None = None,
 ) -> Manifest:
     """A manifest for ``snapshot`` (tensor and object tables are filled by the writer)."""
     validate_run_name(run)
@@ -162,6 +170,7 @@ def new_manifest(
         state=snapshot.state,
         state_kinds=snapshot.kinds,
         environment=environment(),
+        lineage=lineage,
     )
 
 
@@ -226,6 +235,8 @@ def save(
     overwrite: bool = False,
     workers: int | None = None,
     collective: bool | None = None,
+    lineage: Lineage | None = None,
+    signer: Signer | None = None,
 ) -> SaveInfo:
     """Save ``state`` as checkpoint ``run@step`` in the store at ``root`` (created if absent).
 
@@ -244,11 +255,23 @@ def save(
     calls ``save`` with its own shards; each rank writes its part and rank 0 commits once
     all succeeded (``collective=None`` decides automatically; ``collective=False`` saves a
     replicated model from one rank and refuses sharded state).
+
+    ``lineage`` (a :class:`stepvault.Lineage`, e.g. ``Lineage.capture(config)``) is stored
+    with the run and linked from the manifest; ``signer`` signs the manifest (default:
+    ``$STEPVAULT_SIGNING_KEY`` when set).
     """
     t0 = time.perf_counter()
     if codec is not None and codec not in CODEC_CHOICES:
         raise ValueError(f"codec must be one of {CODEC_CHOICES}, got {codec!r}")
     validate_run_name(run)
+    lineage_digest = None
+    if lineage is not None or signer is not None:
+        store = open_store_for_writing(root)
+        if signer is not None:
+            store.signer = signer
+        if lineage is not None and _rank() == 0:
+            lineage_digest = write_lineage(store, run, lineage)
+        root = store
     if _collective(state, collective):
         from .dist.api import save_state
 
@@ -261,8 +284,10 @@ def save(
             metrics=_encode_metrics(metrics),
             codec=codec,
             workers=workers,
+            lineage=lineage_digest,
         )
-        m = parse_manifest(Store.open(root).read_manifest(run, step), f"{run}@{step}")
+        committed = root if isinstance(root, Store) else Store.open(root)
+        m = parse_manifest(committed.read_manifest(run, step), f"{run}@{step}")
         return SaveInfo(
             run,
             step,
@@ -277,7 +302,14 @@ def save(
         )
     snapshot = take_snapshot(state, kind=kind)
     manifest = new_manifest(
-        run, step, snapshot, epoch=epoch, kind=kind, metrics=metrics, metadata=metadata
+        run,
+        step,
+        snapshot,
+        epoch=epoch,
+        kind=kind,
+        metrics=metrics,
+        metadata=metadata,
+        lineage=lineage_digest,
     )
     host = {name: to_host(value) for name, value in snapshot.arrays.items()}
     store = open_store_for_writing(root)

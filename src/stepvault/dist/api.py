@@ -47,6 +47,7 @@ def save_sharded(
     metrics: Mapping[str, float] | None = None,
     codec: str | None = None,
     workers: int | None = None,
+    lineage: str | None = None,
 ) -> None:
     """Save a (possibly sharded: DTensor, FSDP2) state dict from every rank of the group.
 
@@ -56,7 +57,14 @@ def save_sharded(
     """
     store = _store(root, create=True)
     writer = StepvaultWriter(
-        store, run, step, epoch=epoch, metrics=dict(metrics or {}), codec=codec, workers=workers
+        store,
+        run,
+        step,
+        epoch=epoch,
+        metrics=dict(metrics or {}),
+        codec=codec,
+        workers=workers,
+        lineage=lineage,
     )
     dcp.save(dict(state_dict), storage_writer=writer, planner=SafeSavePlanner())
 
@@ -76,10 +84,7 @@ def load_sharded(
     """
     store = _store(root, create=False)
     steps = store.list_steps(run)
-    if step == "latest":
-        candidates = list(reversed(steps))
-    else:
-        candidates = [int(step)]
+    candidates = list(reversed(steps)) if step == "latest" else [int(step)]
     if dist.is_initialized():  # rank 0's view decides, so every rank tries the same list
         box = [candidates]
         dist.broadcast_object_list(box, src=0)
@@ -169,13 +174,18 @@ def save_state(
     codec: str | None = None,
     workers: int | None = None,
     timeout: float = 60.0,
+    lineage: str | None = None,
 ) -> None:
-    """``stepvault.save`` on every rank: modules, optimizers, RNGs and values via DCP."""
+    """``stepvault.save`` on every rank: modules, optimizers, RNGs and values via DCP.
+
+    ``lineage`` is the digest of a lineage record already stored for ``run`` (rank 0's
+    value is the one committed).
+    """
     handshake(f"save {run}@{step}", timeout)
     dcp_state, kinds = to_dcp(state)
     dcp_state["__stepvault_kinds__"] = kinds
     save_sharded(root, dcp_state, run=run, step=step, epoch=epoch, metrics=metrics,
-                 codec=codec, workers=workers)
+                 codec=codec, workers=workers, lineage=lineage)
 
 
 def restore_state(

@@ -33,17 +33,14 @@ def set_element(root: dict[str, Any], path: tuple, value: Any) -> None:
     """Set ``value`` at the nested ``path`` of ``root`` (dicts and lists), creating dicts."""
     node: Any = root
     for key in path[:-1]:
-        if isinstance(node, list):
-            node = node[key]
-        else:
-            node = node.setdefault(key, {})
+        node = node[key] if isinstance(node, list) else node.setdefault(key, {})
     node[path[-1]] = value
 
 
 class SafeSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner with safe JSON instead of ``torch.save`` for non-tensor values."""
 
-    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(encode_value(object, write_item.index.fqn))
         return object

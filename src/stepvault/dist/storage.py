@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import time
-from torch.futures import Future
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from .._env import environment
 from ..engine import CheckpointReader, to_host, write_objects
@@ -70,8 +70,10 @@ class StepvaultWriter(StorageWriter):
         codec: str | None = None,
         overwrite: bool = True,
         workers: int | None = None,
+        lineage: str | None = None,
     ) -> None:
         super().__init__()
+        self.lineage = lineage
         self.store = store
         self.run = validate_run_name(run)
         self.step = validate_step(step)
@@ -177,6 +179,7 @@ class StepvaultWriter(StorageWriter):
             metadata=self.metadata,
             environment={**environment(), "world_size": _world_size()},
             objects=objects,
+            lineage=self.lineage,
             sharded={
                 "entries": entries,
                 "paths": {k: [p if isinstance(p, int | str) else str(p) for p in v]

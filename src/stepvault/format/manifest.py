@@ -82,6 +82,8 @@ class Manifest:
     environment: dict[str, Any] = field(default_factory=dict)
     #: checkpoints written by several ranks (torch.distributed.checkpoint): see FORMAT.md
     sharded: dict[str, Any] | None = None
+    #: BLAKE3 of the run's lineage record (``runs/<run>/lineage/<hash>.json``), if recorded
+    lineage: str | None = None
 
     @property
     def logical_bytes(self) -> int:
@@ -114,6 +116,7 @@ class Manifest:
             "stats": self.stats,
             "environment": self.environment,
             **({"sharded": self.sharded} if self.sharded is not None else {}),
+            **({"lineage": self.lineage} if self.lineage is not None else {}),
         }
 
 
@@ -231,6 +234,9 @@ def _from_json(doc: dict[str, Any]) -> Manifest:
     sharded = doc.get("sharded")
     if sharded is not None:
         _check_sharded(sharded, objects)
+    lineage = doc.get("lineage")
+    if lineage is not None and (type(lineage) is not str or not _HASH.match(lineage)):
+        raise ManifestError(f"bad lineage reference {lineage!r}")
     return Manifest(
         run=_run_name(doc["run"]),
         step=_int(doc["step"], "step"),
@@ -247,6 +253,7 @@ def _from_json(doc: dict[str, Any]) -> Manifest:
         stats=dict(doc.get("stats") or {}),
         environment=dict(doc.get("environment") or {}),
         sharded=sharded,
+        lineage=lineage,
     )
 
 

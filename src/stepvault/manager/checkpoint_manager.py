@@ -36,6 +36,7 @@ from ..engine.gc import DEFAULT_GRACE_SECONDS, sweep
 from ..engine.staging_area import StagingArea
 from ..errors import NoValidCheckpointError, StepvaultError
 from ..format import parse_manifest
+from ..lineage import Lineage, write_lineage
 from ..policy import (
     CheckpointRecord,
     KeepAny,
@@ -50,8 +51,10 @@ from ..policy import (
 )
 from ..state.snapshot import take_snapshot
 from ..store import Store, validate_run_name, validate_step
+from ..store.annotations import manifest_id, merged_metrics, read_annotations
 from ..store.events import log_event, read_events
 from ..store.lease import DEFAULT_STALE_AFTER, acquire_lease
+from ..store.signing import Signer
 from ..vault import CheckpointSummary, Vault
 
 IfBusy = Literal["wait", "skip"]
@@ -106,29 +109,44 @@ class _SaveAlways(SavePolicy):
         return "Always()"
 
 
-def read_record(store: Store, run: str, step: int) -> CheckpointRecord:
-    """The keep-policy record of one checkpoint (``valid=False`` if its manifest is unreadable)."""
+def read_record(
+    store: Store, run: str, step: int, annotations: list[dict[str, Any]] | None = None
+) -> CheckpointRecord:
+    """The keep-policy record of one checkpoint (``valid=False`` if its manifest is unreadable).
+
+    Metrics attached later with ``stepvault annotate`` override those recorded at save time.
+    """
     try:
-        m = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
+        data = store.read_manifest(run, step)
+        m = parse_manifest(data, f"{run}@{step}")
     except StepvaultError:
         return CheckpointRecord(step, 0.0, valid=False)
-    return CheckpointRecord(step, m.created, dict(m.metrics), m.kind, m.epoch)
+    mid = manifest_id(data)
+    metrics = merged_metrics(dict(m.metrics), annotations or [], mid)
+    return CheckpointRecord(step, m.created, metrics, m.kind, m.epoch, manifest_id=mid)
 
 
 def checkpoint_records(
     store: Store, run: str, cache: dict[int, CheckpointRecord] | None = None
 ) -> list[CheckpointRecord]:
-    """Keep-policy records of every committed checkpoint of ``run`` (pins included).
+    """Keep-policy records of every committed checkpoint of ``run`` (pins, holds, annotations).
 
-    A manifest that cannot be read gives a record with ``valid=False``.
+    A manifest that cannot be read gives a record with ``valid=False``. ``cache`` holds the
+    records read from manifests; annotations are re-read on every call (one listing), so
+    metrics attached by an evaluation job while training runs count at once.
     """
     cache = {} if cache is None else cache
-    pinned = set(store.pinned_steps(run))
+    pinned = store.protected_steps(run)  # user pins and registry holds
+    annotations = read_annotations(store, run)
     out = []
     for step in store.list_steps(run):
         rec = cache.get(step)
         if rec is None:
             rec = cache[step] = read_record(store, run, step)
+        if step in annotations and rec.valid:
+            rec = dataclasses.replace(
+                rec, metrics=merged_metrics(rec.metrics, annotations[step], rec.manifest_id)
+            )
         if (step in pinned) != rec.pinned:
             rec = dataclasses.replace(rec, pinned=step in pinned)
         out.append(rec)
@@ -170,6 +188,11 @@ class CheckpointManager:
         on_save_error: ``"raise"`` (default) a failed save on the training thread, or
             ``"warn"``: emit a RuntimeWarning, log the event and let training go on (e.g. a
             full disk: better to keep training and retry at the next save).
+        lineage: a :class:`~stepvault.Lineage` (``Lineage.capture(config, data=...,
+            parent="base@1000")``) linked from every manifest; by default the git commit and
+            environment are captured; ``False`` records nothing.
+        signer: a :class:`~stepvault.Signer` that signs every manifest (default:
+            ``$STEPVAULT_SIGNING_KEY`` when set).
     """
 
     def __init__(
@@ -190,6 +213,8 @@ class CheckpointManager:
         workers: int | None = None,
         prometheus: Any = False,
         on_save_error: Literal["raise", "warn"] = "raise",
+        lineage: Lineage | Literal[False] | None = None,
+        signer: Signer | None = None,
     ) -> None:
         if on_save_error not in ("raise", "warn"):
             raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
@@ -200,6 +225,14 @@ class CheckpointManager:
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         self.run = validate_run_name(run)
         self.store = open_store_for_writing(root)
+        if signer is not None:
+            self.store.signer = signer
+        # Lineage (config, git commit, data, environment, parent) is captured once per
+        # session and linked from every manifest it commits; lineage=False records none.
+        self.lineage: Lineage | None = (
+            Lineage.capture() if lineage is None else (lineage or None)
+        )
+        self._lineage_digest: str | None = None
         self.save_policy: SavePolicy = save if save is not None else _SaveAlways()
         self.keep_policy = keep
         self.async_save = async_save
@@ -413,6 +446,7 @@ class CheckpointManager:
                 kind=decision.kind,
                 metrics=metrics,
                 metadata=metadata,
+                lineage=self._lineage_ref(),
             )
             if background:
                 host = self._staging.stage(snapshot.arrays)
@@ -475,6 +509,7 @@ class CheckpointManager:
                 metrics=_encode_metrics(metrics),
                 codec=self.codec,
                 workers=self.workers,
+                lineage=self._lineage_ref() if self._rank == 0 else None,
             )
             m = parse_manifest(self.store.read_manifest(self.run, step), f"{self.run}@{step}")
         except BaseException as exc:
@@ -500,9 +535,7 @@ class CheckpointManager:
             self._stats.writes.append(seconds)
             self._stats.new_bytes += info.new_bytes
             self._stats.logical_bytes += info.logical_bytes
-            self._records[step] = CheckpointRecord(
-                step, m.created, dict(m.metrics), decision.kind, m.epoch
-            )
+            self._records.pop(step, None)  # re-read (with its manifest id) when needed
         self._event(
             "save",
             step=step,
@@ -535,6 +568,14 @@ class CheckpointManager:
             raise SystemExit(decision.exit_code)
         return handle
 
+    def _lineage_ref(self) -> str | None:
+        """Digest of this session's lineage record, stored on first use."""
+        if self.lineage is None:
+            return None
+        if self._lineage_digest is None:
+            self._lineage_digest = write_lineage(self.store, self.run, self.lineage)
+        return self._lineage_digest
+
     def _failed(self, step: int, exc: BaseException) -> None:
         self._stats.failures += 1
         if self._metrics:
@@ -558,13 +599,7 @@ class CheckpointManager:
             s.writes.append(info.seconds)
             s.new_bytes += info.new_bytes
             s.logical_bytes += info.logical_bytes
-            self._records[manifest.step] = CheckpointRecord(
-                manifest.step,
-                manifest.created,
-                dict(manifest.metrics),
-                manifest.kind,
-                manifest.epoch,
-            )
+            self._records.pop(manifest.step, None)  # re-read (with its manifest id) when needed
         if self._metrics:
             self._metrics.saved(
                 info.kind, stall, info.seconds, info.new_bytes, info.logical_bytes, info.step
@@ -669,7 +704,7 @@ class CheckpointManager:
             metric, mode = self._best[0]
             scored = [
                 r
-                for r in (self._record(s) for s in steps)
+                for r in self._all_records()  # annotated metrics count
                 if r.valid
                 and isinstance(r.metrics.get(metric), float)
                 and math.isfinite(r.metrics[metric])

@@ -66,6 +66,8 @@ class CheckpointRecord:
     epoch: int | None = None
     pinned: bool = False
     valid: bool = True  # False when known damaged
+    #: BLAKE3 of the manifest file: ties after-the-fact annotations to this exact checkpoint
+    manifest_id: str = ""
 
 
 @dataclass

@@ -7,7 +7,9 @@
       objects/<2 hex>/<hash>               content-addressed objects
       runs/<run>/run.json                  run metadata
       runs/<run>/checkpoints/<step>.json   committed manifests (the only source of truth)
-      refs/  events/                       registry and event log (later layers)
+      runs/<run>/checkpoints/<step>.sig    detached signature of a manifest (signed stores)
+      refs/pins/  refs/holds/              checkpoints protected by users / by the registry
+      refs/registry/  events/              model registry and event log (upper layers)
       tmp/                                 in-flight writes; never read by restore
 
 This layer moves opaque bytes; what an object or manifest *means* is the format layer's.
@@ -32,12 +34,15 @@ from ..errors import (
 from .backend import Backend, Buffer
 from .local import LocalBackend
 from .names import validate_run_name, validate_step
+from .signing import Signer, signer_from_env
 
 #: Version of the store layout written by this code; readers refuse newer ones.
 STORE_FORMAT_VERSION = 1
 SETTINGS_KEY = "stepvault.json"
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _STEP_FILE = re.compile(r"^(0|[1-9][0-9]{0,17})\.json$")
+_HOLD_FILE = re.compile(r"^(0|[1-9][0-9]{0,17})@(.+)\.json$")
+_UNSET = object()
 
 
 def backend_for(root: str | os.PathLike[str] | Backend) -> Backend:
@@ -61,6 +66,7 @@ class Store:
     def __init__(self, backend: Backend, settings: dict[str, Any]) -> None:
         self.backend = backend
         self.settings = settings
+        self._signer: Signer | object | None = _UNSET
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
@@ -198,8 +204,21 @@ class Store:
             raise ManifestError(f"{run}@{step}: manifest cannot be read safely: {exc}") from None
 
     def commit_manifest(self, run: str, step: int, data: bytes, *, overwrite: bool) -> None:
-        """Make a checkpoint visible: every object must already be durable (call sync())."""
+        """Make a checkpoint visible: every object must already be durable (call sync()).
+
+        With a signer (:attr:`signer`, or ``$STEPVAULT_SIGNING_KEY``) the detached signature
+        ``<step>.sig`` is written first, so a visible manifest of a signed run always has one.
+        """
         key = self.manifest_key(run, step)
+        signer = self.signer
+        if signer is not None:
+            if not overwrite and self.backend.exists(key):
+                raise CheckpointExistsError(
+                    f"checkpoint {run}@{step} already exists in {self.backend.url}; pass "
+                    "overwrite=True to replace it, or save under another step"
+                )
+            sig = json.dumps(signer.sign(data), sort_keys=True).encode()
+            self.backend.put_atomic(self.signature_key(run, step), [sig])
         try:
             self.backend.put_atomic(key, [data], overwrite=overwrite, durable=True)
         except FileExistsError:
@@ -212,6 +231,66 @@ class Store:
     def delete_manifest(self, run: str, step: int) -> None:
         self.backend.delete(self.manifest_key(run, step))
         self.backend.sync()
+        self.backend.delete(self.signature_key(run, step))
+
+    @staticmethod
+    def signature_key(run: str, step: int) -> str:
+        return f"runs/{validate_run_name(run)}/checkpoints/{validate_step(step)}.sig"
+
+    @property
+    def signer(self) -> Signer | None:
+        """Signs every manifest this store commits: set it, or ``$STEPVAULT_SIGNING_KEY``."""
+        if self._signer is _UNSET:
+            self._signer = signer_from_env()
+        return self._signer  # type: ignore[return-value]
+
+    @signer.setter
+    def signer(self, value: Signer | None) -> None:
+        self._signer = value
+
+    def read_signature(self, run: str, step: int) -> dict[str, Any] | None:
+        """The detached signature record of ``run@step``, or None when it was not signed."""
+        try:
+            raw = self.backend.read_bytes(self.signature_key(run, step))
+        except FileNotFoundError:
+            return None
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            return {"alg": "?", "damaged": True}
+        return record if isinstance(record, dict) else {"alg": "?", "damaged": True}
+
+    # -- holds: references from above (the registry) that protect a checkpoint -------------
+    def hold(self, run: str, step: int, holder: str) -> None:
+        """Protect ``run@step`` from retention and GC on behalf of ``holder`` (e.g. a model)."""
+        self.read_manifest(run, step)  # must exist
+        validate_run_name(holder)
+        data = json.dumps({"run": run, "step": step, "holder": holder, "time": time.time()})
+        self.backend.put_atomic(self._hold_key(run, step, holder), [data.encode()])
+
+    def release(self, run: str, step: int, holder: str) -> None:
+        """Drop ``holder``'s hold on ``run@step``."""
+        self.backend.delete(self._hold_key(run, step, holder))
+
+    def held_steps(self, run: str) -> dict[int, list[str]]:
+        """Steps of ``run`` held by someone, with their holders."""
+        out: dict[int, list[str]] = {}
+        for name in self.backend.list(f"refs/holds/{validate_run_name(run)}"):
+            m = _HOLD_FILE.match(name)
+            if m:
+                out.setdefault(int(m.group(1)), []).append(m.group(2))
+        return out
+
+    def protected_steps(self, run: str) -> set[int]:
+        """Steps no keep policy or GC may delete: pinned by a user or held by the registry."""
+        return set(self.pinned_steps(run)) | set(self.held_steps(run))
+
+    @staticmethod
+    def _hold_key(run: str, step: int, holder: str) -> str:
+        return (
+            f"refs/holds/{validate_run_name(run)}/{validate_step(step)}"
+            f"@{validate_run_name(holder)}.json"
+        )
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, run: str, step: int, note: str = "") -> None:
