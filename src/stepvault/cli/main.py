@@ -448,6 +448,8 @@ def events_cmd(
 # Command groups kept in their own modules register on ``app`` when imported (one line each;
 # those modules import heavy optional dependencies inside their commands, not at import).
 # -- command groups: begin
+from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
+
 # -- command groups: end
 
 
