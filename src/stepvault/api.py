@@ -448,6 +448,9 @@ def restore(
         if missing_ok:
             return None
         raise
+    from .tiers.view import read_view
+
+    store = read_view(store)  # a store with cold tiers restores from any tier, hot first
     steps = store.list_steps(run)
     newest = steps[-1] if step == "latest" and steps else step
     if isinstance(newest, int) and _is_sharded(store, run, newest):
@@ -512,5 +515,8 @@ def _restore_collective(root, state, run, step, missing_ok, workers) -> RestoreI
 
 
 def open(root: Root) -> Vault:
-    """Open the store at ``root`` for reading: runs, checkpoints, manifests, lazy tensors."""
-    return Vault(Store.open(root))
+    """Open the store at ``root`` for reading: runs, checkpoints, manifests, lazy tensors
+    (of every tier, when the store has cold tiers: see STORAGE.md)."""
+    from .tiers.view import read_view
+
+    return Vault(read_view(Store.open(root)))

@@ -193,6 +193,12 @@ class CheckpointManager:
             environment are captured; ``False`` records nothing.
         signer: a :class:`~stepvault.Signer` that signs every manifest (default:
             ``$STEPVAULT_SIGNING_KEY`` when set).
+        tiers: cold tiers, name -> URL/path (``{"archive": "s3://bucket/ckpts"}``), recorded
+            in the store so restores and the CLI find them (default: those recorded).
+        tier_policy: where checkpoints live, e.g. ``HotLast(3) | CopyEvery("archive",
+            steps=5)`` (:mod:`stepvault.tiers`); a background mover applies it after each
+            commit (training never waits; ``close()`` lets it finish). Restores read from
+            any tier, hot first. See STORAGE.md.
     """
 
     def __init__(
@@ -215,6 +221,8 @@ class CheckpointManager:
         on_save_error: Literal["raise", "warn"] = "raise",
         lineage: Lineage | Literal[False] | None = None,
         signer: Signer | None = None,
+        tiers: Mapping[str, Any] | None = None,
+        tier_policy: Any = None,
     ) -> None:
         if on_save_error not in ("raise", "warn"):
             raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
@@ -246,6 +254,18 @@ class CheckpointManager:
         # events and applies retention, and saves are collective (synchronous for now).
         self._dist = distributed_active()
         self._rank = torch.distributed.get_rank() if self._dist else 0
+        # Cold tiers (recorded in the store) and, with a tier policy, the background mover
+        # (rank 0 only); restores read through the view: any tier, hot first. STORAGE.md.
+        from ..tiers.hook import setup_tiers
+
+        self._view, self.tier_mover = setup_tiers(
+            self.store,
+            self.run,
+            tiers,
+            tier_policy,
+            coordinator=self._rank == 0,
+            grace_seconds=gc_grace_seconds,
+        )
         self._lease = self._acquire_lease(lease_stale_after)
         self._closed = False
         self._lock = threading.RLock()
@@ -552,6 +572,8 @@ class CheckpointManager:
         try:
             if self._rank == 0 and self.keep_policy is not None:
                 self._apply_retention()
+            if self.tier_mover is not None:
+                self.tier_mover.notify()
         finally:
             torch.distributed.barrier()  # every rank sees the same store after the save
         self._last_save_step = step
@@ -619,6 +641,8 @@ class CheckpointManager:
         )
         if self.keep_policy is not None:
             self._apply_retention()
+        if self.tier_mover is not None:
+            self.tier_mover.notify()  # copies/evictions run on the mover's thread
         return info
 
     def wait(self) -> SaveInfo | None:
@@ -630,7 +654,7 @@ class CheckpointManager:
     def _record(self, step: int) -> CheckpointRecord:
         rec = self._records.get(step)
         if rec is None:
-            rec = self._records[step] = read_record(self.store, self.run, step)
+            rec = self._records[step] = read_record(self._view, self.run, step)
         return rec
 
     def _all_records(self) -> list[CheckpointRecord]:
@@ -647,7 +671,11 @@ class CheckpointManager:
         if not plan.delete:
             return
         reasons = {e.step: e.reasons for e in plan.entries}
-        for step in plan.delete:
+        delete = plan.delete
+        if self.tier_mover is not None:  # never before the mover copied them to a cold tier
+            owed = self.tier_mover.hold(delete)
+            delete = [s for s in delete if s not in owed]
+        for step in delete:
             self.store.delete_manifest(self.run, step)  # the checkpoint vanishes atomically
             self._records.pop(step, None)
             self._stats.deleted += 1
@@ -687,7 +715,7 @@ class CheckpointManager:
         self._check()
         self.wait()
         t0 = time.perf_counter()
-        steps = self.store.list_steps(self.run)
+        steps = self._view.list_steps(self.run)  # every tier's checkpoints
         if step == "latest":
             candidates = [
                 s
@@ -731,7 +759,7 @@ class CheckpointManager:
                 info = self._restore_collective(state, candidates, fallback)
             else:
                 info = restore_candidates(
-                    self.store,
+                    self._view,
                     state,
                     self.run,
                     candidates,
@@ -882,6 +910,8 @@ class CheckpointManager:
                 except BaseException as exc:
                     error = exc
                 self._bg.shutdown()
+            if self.tier_mover is not None:
+                self.tier_mover.close()  # a last pass, while this process holds the lease
         finally:
             self._closed = True
             self._stop.set()

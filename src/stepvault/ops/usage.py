@@ -97,3 +97,12 @@ def store_usage(store: Store, *, scan_unreferenced: bool = True) -> StoreUsage:
 def usage(root: str | os.PathLike[str]) -> StoreUsage:
     """Logical vs stored bytes of the store, with dedup and compression savings."""
     return store_usage(Store.open(root))
+
+
+def usage_by_tier(store: Store) -> dict[str, StoreUsage]:
+    """Usage of each tier of ``store`` (``"hot"`` is the store itself), deduplicated
+    within each tier (an object held by two tiers counts in both: it is paid twice)."""
+    from ..tiers.config import Tiers
+
+    tiers = Tiers.of(store)
+    return {name: store_usage(tiers[name]) for name in tiers.names}

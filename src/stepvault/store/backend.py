@@ -14,10 +14,14 @@ Buffer = bytes | bytearray | memoryview
 
 
 class Backend(abc.ABC):
-    """Abstract storage backend (local directory now; fsspec/S3 implements the same)."""
+    """Abstract storage backend (a local directory, or any fsspec filesystem such as S3)."""
 
     #: Human-readable location, used in error messages.
     url: str
+
+    #: Whether :meth:`append` costs only the appended bytes (local files: O_APPEND). Object
+    #: stores rewrite the whole key, so the event log writes one object per event there.
+    append_is_cheap: bool = True
 
     @abc.abstractmethod
     def read_bytes(self, key: str) -> bytes:

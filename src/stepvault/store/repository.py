@@ -45,18 +45,20 @@ _HOLD_FILE = re.compile(r"^(0|[1-9][0-9]{0,17})@(.+)\.json$")
 _UNSET = object()
 
 
-def backend_for(root: str | os.PathLike[str] | Backend) -> Backend:
-    """Pick the backend for ``root``: a Backend instance, a local path or ``file://`` URL."""
+def backend_for(root: str | os.PathLike[str] | Backend, **storage_options: Any) -> Backend:
+    """Pick the backend for ``root``: a Backend instance, a local path or ``file://`` URL
+    (:class:`LocalBackend`), or any other fsspec URL such as ``s3://bucket/prefix`` or
+    ``memory://name`` (:class:`~stepvault.store.fsspec_backend.FsspecBackend`;
+    ``storage_options`` go to its filesystem)."""
     if isinstance(root, Backend):
         return root
     text = os.fspath(root)
     if text.startswith("file://"):
         text = text[len("file://") :]
     elif "://" in text:
-        raise StoreNotFoundError(
-            f"{text!r}: remote stores (s3://, gs://, memory://) are not supported by this "
-            "version yet; use a local directory"
-        )
+        from .fsspec_backend import open_fsspec
+
+        return open_fsspec(text, **storage_options)
     return LocalBackend(text)
 
 

@@ -1,0 +1,215 @@
+"""``stepvault tier`` and ``stepvault tiers ...``: move checkpoints between storage tiers and
+see what lives where."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import StepvaultError
+from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
+
+tiers_app = typer.Typer(
+    help="Storage tiers: list what lives where, add or remove cold tiers, usage per tier.",
+    no_args_is_help=True,
+)
+app.add_typer(tiers_app, name="tiers")
+
+
+@app.command("tier")
+def tier_cmd(
+    ref: Annotated[str, typer.Argument(help="RUN@STEP, RUN@latest, or RUN (all its hot steps).")],
+    to: Annotated[str, typer.Option("--to", help="Cold tier name (see 'stepvault tiers ls').")],
+    evict: Annotated[
+        bool,
+        typer.Option("--evict", help="Then remove it from hot (only once committed in COLD)."),
+    ] = False,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Copy checkpoints from the hot store to cold tier TO (objects it lacks, verified, then
+    the manifest); with --evict, then delete the hot copy (GC reclaims its objects)."""
+    from ..store import Store
+    from ..store.events import log_event
+    from ..store.lease import acquire_lease
+    from ..tiers.config import Tiers
+    from ..tiers.copy import copy_checkpoint, copy_pin
+    from ..tiers.mover import protected_steps
+    from ..vault import parse_ref
+
+    try:
+        hot = Store.open(_root(root))
+        tiers = Tiers.of(hot)
+        target = tiers[to]
+        run, step = parse_ref(ref)
+        steps = hot.list_steps(run)
+        if step == "latest":
+            steps = steps[-1:]
+        elif step is not None:
+            steps = [step]
+        if not steps:
+            raise StepvaultError(
+                f"run {run!r} has no checkpoint in the hot store {hot.backend.url}"
+            )
+        protected = protected_steps(hot, run)
+        rows = []
+        lease = acquire_lease(hot, run) if evict else None
+        try:
+            for s in steps:
+                stats = copy_checkpoint(hot, target, run, s, codec=tiers.spec(to).codec)
+                if s in protected:
+                    copy_pin(hot, target, run, s)
+                log_event(hot, run, "tier_copy", step=s, tier=to, bytes=stats.bytes_written)
+                evicted = False
+                if evict and target.backend.exists(Store.manifest_key(run, s)):
+                    hot.delete_manifest(run, s)
+                    log_event(hot, run, "tier_evict", step=s, kept_in=[to], by="cli")
+                    evicted = True
+                rows.append({**stats.to_json(), "tier": to, "evicted": evicted})
+        finally:
+            if lease is not None:
+                lease.release()
+    except StepvaultError as exc:
+        return _fail(exc)
+    except OSError as exc:
+        return _fail(StepvaultError(f"storage error while moving to {to!r}: {exc}"))
+    if as_json:
+        return _emit_json(rows)
+    table = Table("step", "objects", "copied", "reused", "bytes written", "seconds", "hot copy")
+    for r in rows:
+        table.add_row(
+            str(r["step"]),
+            str(r["objects"]),
+            str(r["copied_objects"]),
+            str(r["reused_objects"]),
+            human_bytes(r["bytes_written"]),
+            f"{r['seconds']:.2f}",
+            "evicted" if r["evicted"] else "kept",
+        )
+    console.print(table)
+    return None
+
+
+@tiers_app.command("ls")
+def tiers_ls(
+    run: Annotated[str | None, typer.Argument(help="Only this run.")] = None,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """What lives where: each checkpoint with the tiers holding it (hot first)."""
+    from ..store import Store
+    from ..tiers.config import Tiers
+    from ..tiers.view import catalog
+
+    try:
+        tiers = Tiers.of(Store.open(_root(root)))
+        entries = catalog(tiers, run)
+    except StepvaultError as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(
+            {
+                "tiers": [{"name": "hot", "url": tiers.hot.backend.url}]
+                + [{"name": s.name, "url": s.url, "codec": s.codec} for s in tiers.specs.values()],
+                "checkpoints": [e.to_json() for e in entries],
+            }
+        )
+    info = Table("tier", "location", "codec", title="tiers")
+    info.add_row("hot", tiers.hot.backend.url, str(tiers.hot.settings.get("codec", "raw")))
+    for s in tiers.specs.values():
+        info.add_row(s.name, s.url, s.codec)
+    console.print(info)
+    table = Table("run", "step", *tiers.names, title="checkpoints by tier")
+    for e in entries:
+        table.add_row(e.run, str(e.step), *("●" if t in e.tiers else "" for t in tiers.names))
+    console.print(table)
+    return None
+
+
+@tiers_app.command("add")
+def tiers_add(
+    name: Annotated[str, typer.Argument(help="Tier name, e.g. 'archive'.")],
+    url: Annotated[str, typer.Argument(help="Store location: s3://bucket/prefix, a path...")],
+    codec: Annotated[
+        str, typer.Option(help="'keep' (copy as stored) or a codec to re-encode: auto, zstd...")
+    ] = "keep",
+    endpoint_url: Annotated[
+        str | None, typer.Option(help="S3-compatible endpoint (MinIO, ...).")
+    ] = None,
+    root: RootOpt = None,
+) -> None:
+    """Add (or replace) cold tier NAME at URL. Credentials come from the environment."""
+    from ..store import Store
+    from ..tiers.config import Tiers, TierSpec, add_tier
+
+    try:
+        hot = Store.open(_root(root))
+        options = {"endpoint_url": endpoint_url} if endpoint_url else {}
+        add_tier(hot, TierSpec(name, url, codec, options))
+        Tiers.of(hot)[name]  # reachable, and initialised as a store
+    except StepvaultError as exc:
+        return _fail(exc)
+    except OSError as exc:
+        return _fail(StepvaultError(f"tier {name!r} was recorded but {url} is unreachable: {exc}"))
+    console.print(f"tier {name} -> {url} (codec {codec})", highlight=False)
+    return None
+
+
+@tiers_app.command("remove")
+def tiers_remove(
+    name: Annotated[str, typer.Argument(help="Tier to forget (its contents are not touched).")],
+    root: RootOpt = None,
+) -> None:
+    """Forget cold tier NAME; the checkpoints stored there are left as they are."""
+    from ..store import Store
+    from ..tiers.config import remove_tier
+
+    try:
+        remove_tier(Store.open(_root(root)), name)
+    except StepvaultError as exc:
+        return _fail(exc)
+    console.print(f"tier {name} removed from the configuration", highlight=False)
+    return None
+
+
+def print_usage_by_tier(root: str, as_json: bool) -> None:
+    """Body of ``stepvault tiers du`` (and ``stepvault du --by-tier``)."""
+    from ..ops.usage import usage_by_tier
+    from ..store import Store
+
+    try:
+        by_tier = usage_by_tier(Store.open(root))
+    except StepvaultError as exc:
+        return _fail(exc)
+    except OSError as exc:
+        return _fail(StepvaultError(f"a tier is unreachable: {exc}"))
+    if as_json:
+        return _emit_json({name: u.to_json() for name, u in by_tier.items()})
+    table = Table(
+        "tier",
+        "checkpoints",
+        "logical",
+        "stored (dedup)",
+        "objects",
+        "unreferenced",
+        title="usage by tier",
+    )
+    for name, u in by_tier.items():
+        table.add_row(
+            name,
+            str(u.checkpoints),
+            human_bytes(u.logical_bytes),
+            human_bytes(u.stored_bytes),
+            str(u.objects),
+            human_bytes(u.unreferenced_bytes),
+        )
+    console.print(table)
+    return None
+
+
+@tiers_app.command("du")
+def tiers_du(root: RootOpt = None, as_json: JsonOpt = False) -> None:
+    """Usage of each tier: checkpoints, logical bytes, stored bytes after dedup."""
+    return print_usage_by_tier(_root(root), as_json)

@@ -1,0 +1,285 @@
+"""fsspec backend: a store on any fsspec filesystem (``s3://``, ``memory://``, ``gs://``, ...).
+
+Object stores have no rename, so visibility cannot come from a temporary name. Instead:
+
+* every key is written with **one** request (a PUT) or a multipart upload that becomes
+  visible only when it is completed: a reader sees the whole object or nothing, never a
+  prefix of it;
+* create-if-absent (``put_atomic(..., overwrite=False)``, used to commit manifests and take
+  leases) is a conditional write that the server decides: on S3 ``If-None-Match: *`` on the
+  PUT (or on CompleteMultipartUpload), which fails with 412 when the key exists.
+
+A retried conditional write is ambiguous: the first attempt may have succeeded and only its
+response been lost, so the retry answers 412 for our own object. :meth:`put_atomic` then
+compares the stored bytes with ours and treats an identical object as success (manifests
+and lease records carry timestamps and tokens, so "identical" means "ours").
+
+S3 requests go through s3fs/aiobotocore with botocore's ``standard`` retry mode (backoff with
+jitter on 5xx, throttling, reset connections and timeouts), explicit connect/read timeouts,
+and parallel multipart uploads for objects of ``2 * part_size`` bytes or more.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import StoreNotFoundError
+from .backend import Backend, Buffer
+from .names import check_key
+
+#: botocore settings for S3: bounded waits and retries with backoff on transient errors.
+DEFAULT_S3_CONFIG: dict[str, Any] = {
+    "retries": {"max_attempts": 10, "mode": "standard"},
+    "connect_timeout": 10,
+    "read_timeout": 120,
+    "max_pool_connections": 64,
+}
+#: Objects of at least twice this size are uploaded as parallel multipart uploads.
+DEFAULT_PART_SIZE = 16 << 20
+
+# memory:// lives in this process; its create-if-absent is a check-then-write, so one lock
+# per process makes it atomic between threads.
+_MEMORY_LOCK = threading.Lock()
+
+
+def _plain(data: Sequence[Buffer]) -> bytes:
+    if len(data) == 1 and isinstance(data[0], bytes):
+        return data[0]
+    return b"".join(memoryview(p).cast("B") for p in data)
+
+
+class FsspecBackend(Backend):
+    """A store under ``root`` on an fsspec filesystem ``fs`` (see :func:`open_fsspec`)."""
+
+    #: Appending rewrites the whole object here, so the event log writes one object per
+    #: event instead (see :mod:`stepvault.store.events`).
+    append_is_cheap = False
+
+    def __init__(self, fs: Any, root: str, url: str, *, part_size: int = DEFAULT_PART_SIZE):
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self.part_size = int(part_size)
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.protocol = protocol
+        self.is_s3 = protocol in ("s3", "s3a")
+
+    # -- helpers -----------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        key = check_key(key)
+        return f"{self.root}/{key}" if self.root else key
+
+    def _split(self, key: str) -> tuple[str, str]:
+        bucket, _, name = self._path(key).partition("/")
+        return bucket, name
+
+    # -- reads -------------------------------------------------------------------------
+    def read_bytes(self, key: str) -> bytes:
+        if self.is_s3:
+            # One GET: s3fs would first HEAD for the size to split big reads into ranges;
+            # parallelism comes from the reader fetching many objects at once instead.
+            return self.fs.cat_file(self._path(key), max_concurrency=1)
+        return self.fs.cat_file(self._path(key))
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        return self.fs.cat_file(self._path(key), start=offset, end=offset + length)
+
+    def size(self, key: str) -> int:
+        return int(self.fs.size(self._path(key)))
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        if self.is_s3:
+            # A HEAD of the exact key: fs.exists() would also count a "directory" prefix.
+            try:
+                return self.fs.info(path).get("type") != "directory"
+            except FileNotFoundError:
+                return False
+        return bool(self.fs.isfile(path))
+
+    def list(self, prefix: str) -> list[str]:
+        path = self._path(prefix) if prefix else self.root
+        try:
+            if self.is_s3:
+                entries = self.fs.ls(path, detail=False, refresh=True)
+            else:
+                entries = self.fs.ls(path, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        base = path.strip("/") + "/"
+        names = set()
+        for entry in entries:
+            entry = entry.strip("/")
+            if entry.startswith(base):
+                name = entry[len(base) :]
+                if name and "/" not in name:
+                    names.add(name)
+        return sorted(names)
+
+    # -- writes ------------------------------------------------------------------------
+    def put_atomic(
+        self, key: str, parts: Sequence[Buffer], *, overwrite: bool = True, durable: bool = True
+    ) -> None:
+        # ``durable`` needs nothing more: an object store acknowledges a PUT once it is
+        # stored redundantly, and a key is visible only after its upload completed.
+        data = _plain(parts)
+        path = self._path(key)
+        if overwrite:
+            self._pipe(path, data, create=False)
+            return
+        try:
+            if self.protocol == "memory":
+                with _MEMORY_LOCK:
+                    self._pipe(path, data, create=True)
+            else:
+                self._pipe(path, data, create=True)
+        except FileExistsError:
+            # A retried conditional PUT whose first attempt went through answers 412 for
+            # our own object: identical bytes mean the write happened, and it was ours.
+            try:
+                if self.fs.cat_file(path) == data:
+                    return
+            except FileNotFoundError:
+                pass
+            raise FileExistsError(f"{self.url}/{key} already exists") from None
+
+    def _pipe(self, path: str, data: bytes, *, create: bool) -> None:
+        mode = "create" if create else "overwrite"
+        if self.is_s3:
+            self.fs.pipe_file(path, data, mode=mode, chunksize=self.part_size)
+        else:
+            self.fs.pipe_file(path, data, mode=mode)
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def touch(self, key: str) -> None:
+        """Refresh the modification time GC's grace period looks at.
+
+        S3 has no utime: a server-side copy of the object onto itself (no bytes move
+        through the client) gives it a new LastModified.
+        """
+        path = self._path(key)
+        try:
+            if self.is_s3:
+                bucket, name = self._split(key)
+                self.fs.call_s3(
+                    "copy_object",
+                    Bucket=bucket,
+                    Key=name,
+                    CopySource={"Bucket": bucket, "Key": name},
+                    MetadataDirective="REPLACE",
+                    Metadata={"stepvault-touched": f"{time.time():.3f}"},
+                )
+            elif self.protocol == "memory":
+                with _MEMORY_LOCK:
+                    self.fs.pipe_file(path, self.fs.cat_file(path))
+            else:
+                self.fs.touch(path, truncate=False)
+        except FileNotFoundError:
+            pass
+        except (NotImplementedError, ValueError):
+            pass  # no way to refresh it here; GC's grace period falls back to creation time
+
+    def mtime(self, key: str) -> float:
+        return float(self.fs.modified(self._path(key)).timestamp())
+
+    def append(self, key: str, data: bytes) -> None:
+        """Append by read-modify-write, serialised by a conditional write on S3 (If-Match).
+
+        O(size of the key) per call: fine for small keys; the event log avoids it on
+        object stores by writing one object per event.
+        """
+        path = self._path(key)
+        for _ in range(50):
+            try:
+                info = self.fs.info(path)
+                old = self.fs.cat_file(path)
+            except FileNotFoundError:
+                try:
+                    self.put_atomic(key, [data], overwrite=False)
+                    return
+                except FileExistsError:
+                    continue
+            if not self.is_s3:
+                with _MEMORY_LOCK:
+                    self.fs.pipe_file(path, old + data)
+                return
+            bucket, name = self._split(key)
+            try:
+                self.fs.call_s3(
+                    "put_object", Bucket=bucket, Key=name, Body=old + data, IfMatch=info["ETag"]
+                )
+                return
+            except OSError as exc:  # 412: someone appended in between; read again
+                if not _precondition_failed(exc):
+                    raise
+                time.sleep(0.01)
+        raise OSError(f"could not append to {self.url}/{key}: too much contention")
+
+    def sync(self) -> None:
+        """Nothing to flush: an acknowledged PUT is durable and visible."""
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    cause = exc.__cause__ or exc
+    response = getattr(cause, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    return code in ("PreconditionFailed", "412")
+
+
+def open_fsspec(url: str, **storage_options: Any) -> FsspecBackend:
+    """A backend for an fsspec URL (``s3://bucket/prefix``, ``memory://name``, ``gs://...``).
+
+    ``storage_options`` go to the filesystem (e.g. ``endpoint_url=``, ``key=``, ``secret=``,
+    ``anon=``); credentials otherwise come from the provider's usual chain (for S3: the
+    ``AWS_*`` environment variables, ``~/.aws``, instance roles; ``AWS_ENDPOINT_URL`` for
+    an S3-compatible server such as MinIO). ``part_size=`` sets the multipart part size.
+    """
+    try:
+        import fsspec
+    except ImportError as exc:  # pragma: no cover - fsspec is a dependency
+        raise StoreNotFoundError(f"{url!r} needs fsspec: pip install fsspec") from exc
+    protocol, _, rest = url.partition("://")
+    options = dict(storage_options)
+    part_size = int(options.pop("part_size", DEFAULT_PART_SIZE))
+    if protocol in ("s3", "s3a"):
+        try:
+            import s3fs  # noqa: F401
+        except ImportError:
+            raise StoreNotFoundError(
+                f"{url!r}: S3 stores need s3fs; install it with pip install 'stepvault[s3]'"
+            ) from None
+        config = dict(DEFAULT_S3_CONFIG)
+        config.update(options.pop("config_kwargs", {}) or {})
+        options["config_kwargs"] = config
+        # Never answer list/exists from a cache: another process may have committed since.
+        options.setdefault("use_listings_cache", False)
+        options.setdefault("skip_instance_cache", True)
+        if "endpoint_url" not in options:
+            import os
+
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                options["endpoint_url"] = endpoint
+    try:
+        fs = fsspec.filesystem(protocol, **options)
+    except (ImportError, ValueError) as exc:
+        raise StoreNotFoundError(
+            f"{url!r}: no usable fsspec filesystem for {protocol}:// ({exc}); install its "
+            "package (s3fs, gcsfs, adlfs...)"
+        ) from exc
+    root = rest.strip("/")
+    if protocol == "memory":
+        root = "/" + root
+    if not root and protocol not in ("memory",):
+        raise StoreNotFoundError(f"{url!r}: name a bucket (and optionally a prefix)")
+    return FsspecBackend(fs, root, url.rstrip("/"), part_size=part_size)

@@ -1,0 +1,188 @@
+"""Reading across tiers: one read-only store view over hot and cold tiers, and the catalog
+of which tiers hold each checkpoint.
+
+A checkpoint lives in a tier iff its manifest is committed there, so the catalog is the
+union of the tiers' manifest listings: it cannot disagree with the tiers, and needs no
+index of its own that a crash could leave stale (one LIST per run and tier).
+
+The view prefers hot: a manifest is read from the first tier (hot, then cold tiers in
+order) that holds it, and each object from the first tier that has it. Objects are
+content-addressed and every byte is hash-verified after decoding, so an object may come
+from any tier, whatever its encoding there; a checkpoint only in the archive is read from
+the archive, many objects in parallel (the reader's prefetch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, StepvaultError
+from ..store import Store
+from .config import HOT, TIERS_KEY, Tiers
+
+
+class TieredView(Store):
+    """A read-only Store over every tier of ``tiers`` (writes go to a tier's own store)."""
+
+    def __init__(self, tiers: Tiers, names: Sequence[str] | None = None) -> None:
+        super().__init__(tiers.hot.backend, tiers.hot.settings)
+        self.tiers = tiers
+        self.order = list(names or tiers.names)
+        self._usable: dict[str, Store] = {}
+        self.unreachable: dict[str, str] = {}
+
+    def _stores(self) -> list[tuple[str, Store]]:
+        out = []
+        for name in self.order:
+            if name in self.unreachable:
+                continue
+            store = self._usable.get(name)
+            if store is None:
+                try:
+                    store = self._usable[name] = self.tiers[name]
+                except (StepvaultError, OSError) as exc:
+                    # An unreachable archive must not stop a restore from hot.
+                    self.unreachable[name] = str(exc)
+                    continue
+            out.append((name, store))
+        return out
+
+    def where(self, run: str, step: int) -> list[str]:
+        """Names of the tiers holding a committed manifest of ``run@step``."""
+        key = self.manifest_key(run, step)
+        return [n for n, s in self._stores() if s.backend.exists(key)]
+
+    # -- listings: the union of the tiers ------------------------------------------------
+    def list_runs(self) -> list[str]:
+        runs: set[str] = set()
+        for _, store in self._stores():
+            runs.update(store.list_runs())
+        return sorted(runs)
+
+    def list_steps(self, run: str) -> list[int]:
+        steps: set[int] = set()
+        for _, store in self._stores():
+            steps.update(store.list_steps(run))
+        return sorted(steps)
+
+    def steps_by_tier(self, run: str) -> dict[str, list[int]]:
+        return {name: store.list_steps(run) for name, store in self._stores()}
+
+    def pinned_steps(self, run: str) -> list[int]:
+        steps: set[int] = set()
+        for _, store in self._stores():
+            steps.update(store.pinned_steps(run))
+        return sorted(steps)
+
+    # -- reads: hottest tier first ---------------------------------------------------------
+    def read_manifest(self, run: str, step: int) -> bytes:
+        for _, store in self._stores():
+            try:
+                return store.read_manifest(run, step)
+            except CheckpointNotFoundError:
+                continue
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint {run}@{step} in any tier of {self.backend.url} "
+            f"({', '.join(self.order)})"
+        )
+
+    def read_run_info(self, run: str) -> dict[str, Any] | None:
+        for _, store in self._stores():
+            info = store.read_run_info(run)
+            if info is not None:
+                return info
+        return None
+
+    def read_signature(self, run: str, step: int) -> dict[str, Any] | None:
+        """The signature next to the manifest that :meth:`read_manifest` returns."""
+        key = self.manifest_key(run, step)
+        for _, store in self._stores():
+            if store.backend.exists(key):
+                reader = getattr(store, "read_signature", None)
+                return reader(run, step) if reader is not None else None
+        return None
+
+    def _first(self, digest: str) -> Store:
+        for _, store in self._stores():
+            if store.has_object(digest):
+                return store
+        raise FileNotFoundError(digest)
+
+    def has_object(self, digest: str) -> bool:
+        try:
+            self._first(digest)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def map_object(self, digest: str) -> memoryview | None:
+        hot = self._usable.get(HOT) or self.tiers.hot
+        try:
+            return hot.map_object(digest)
+        except FileNotFoundError:
+            return None  # the reader falls back to read_object: the cold tiers
+
+    def read_object(self, digest: str) -> bytes:
+        for _, store in self._stores():
+            try:
+                return store.read_object(digest)
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(digest)
+
+    def object_size(self, digest: str) -> int:
+        return self._first(digest).object_size(digest)
+
+    def object_mtime(self, digest: str) -> float:
+        return self._first(digest).object_mtime(digest)
+
+    def quarantine_object(self, digest: str) -> str:
+        """Quarantine a damaged object in the tier it was read from (the hottest holder)."""
+        try:
+            return self._first(digest).quarantine_object(digest)
+        except FileNotFoundError:
+            return f"quarantine/{digest}"
+
+    # -- writes are a tier's business --------------------------------------------------------
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise StepvaultError(
+            "a tiered view is read-only: write to a tier's own store (tiers['hot'], ...)"
+        )
+
+    put_object = commit_manifest = delete_manifest = delete_object = _read_only
+    pin = unpin = ensure_run = _read_only
+
+
+def read_view(store: Store) -> Store:
+    """``store`` itself, or a :class:`TieredView` over its tiers when it has cold tiers."""
+    if isinstance(store, TieredView) or not store.backend.exists(TIERS_KEY):
+        return store
+    tiers = Tiers.of(store)
+    return TieredView(tiers) if tiers.cold_names else store
+
+
+@dataclass
+class CatalogEntry:
+    run: str
+    step: int
+    tiers: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "step": self.step, "tiers": self.tiers}
+
+
+def catalog(tiers: Tiers, run: str | None = None) -> list[CatalogEntry]:
+    """Every checkpoint of ``run`` (or of every run) with the tiers that hold it, hot first."""
+    view = TieredView(tiers)
+    runs = [run] if run is not None else view.list_runs()
+    out = []
+    for name in runs:
+        by_tier = view.steps_by_tier(name)
+        steps = sorted(set().union(*map(set, by_tier.values()))) if by_tier else []
+        for step in steps:
+            out.append(
+                CatalogEntry(name, step, [t for t in view.order if step in by_tier.get(t, [])])
+            )
+    return out
