@@ -461,5 +461,4 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)
 from . import tiers as _tiers  # noqa: E402,F401  (tier, tiers ls/add/remove/du)
