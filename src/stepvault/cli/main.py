@@ -449,6 +449,7 @@ def events_cmd(
 # those modules import heavy optional dependencies inside their commands, not at import).
 # -- command groups: begin
 from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
+from . import tiers as _tiers  # noqa: E402,F401  (tier, tiers ls/add/remove/du)
 
 # -- command groups: end
 
@@ -460,5 +461,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-from . import tiers as _tiers  # noqa: E402,F401  (tier, tiers ls/add/remove/du)
