@@ -71,3 +71,44 @@ def test_export_errors(store, tmp_path):
         app, ["--root", str(root), "export", "r@1", "-o", str(tmp_path / "x"), "--include", "^zzz"]
     )
     assert res.exit_code == 2 and "nothing to export" in res.output
+
+
+def test_int8_export_is_marked_lossy_and_within_its_error_bound(tmp_path):
+    from safetensors import safe_open
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.LayerNorm(128))
+    with torch.no_grad():
+        model[0].weight[3] = 0.0  # an all-zero channel must not divide by zero
+    stepvault.save(tmp_path / "s", {"model": model}, run="q", step=1)
+    out = tmp_path / "q.safetensors"
+    res = CliRunner().invoke(
+        app, ["--root", str(tmp_path / "s"), "export", "q@1", "-o", str(out), "--quantize", "int8"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "LOSSY" in res.output and "relative error" in res.output
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert meta["lossy"] == "true" and meta["stepvault_quantization"].startswith("int8")
+    loaded = load_file(out)
+    w = model[0].weight.detach()
+    q, scale = loaded["0.weight"], loaded["0.weight.scale"]
+    assert q.dtype == torch.int8 and scale.shape == (128,) and scale.dtype == torch.float32
+    deq = stepvault.ops.dequantize_int8(loaded)
+    # Round-to-nearest with scale = max|row| / 127: every element within half a step.
+    assert ((deq["0.weight"] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+    assert torch.equal(deq["0.weight"][3], torch.zeros(256))
+    rel = float(torch.linalg.vector_norm(deq["0.weight"] - w) / torch.linalg.vector_norm(w))
+    assert rel < 0.01
+    # 1-D tensors (bias, LayerNorm) are not quantized: bitwise as trained.
+    for name in ("0.bias", "1.weight", "1.bias"):
+        assert torch.equal(deq[name], model.state_dict()[name])
+    report = stepvault.ops.export_weights(
+        stepvault.open(tmp_path / "s").store, "q", 1, tmp_path / "dir", quantize="int8"
+    )
+    assert report.quantization["tensors"] == 1 and report.quantization["lossy"] is True
+    assert report.quantization["max_rel_error"] == pytest.approx(rel, rel=1e-5)
+    with pytest.raises(ValueError, match="quantize"):
+        stepvault.ops.export_weights(
+            stepvault.open(tmp_path / "s").store, "q", 1, tmp_path / "x", quantize="int4"
+        )

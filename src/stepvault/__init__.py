@@ -15,6 +15,7 @@ from .api import (
     RestoreInfo,
     SaveInfo,
     SkippedCheckpoint,
+    annotate,
     open,
     restore,
     save,
@@ -22,6 +23,7 @@ from .api import (
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 from .format.encoding import register_type, unregister_type
+from .lineage import Lineage, fingerprint_files
 from .manager import CheckpointManager, SaveHandle
 from .ops import usage, verify
 from .policy import (
@@ -38,8 +40,10 @@ from .policy import (
     OnSignal,
     YoungDaly,
 )
+from .registry import ModelVersion, Registry, RegistryError
 from .state import RNGState
 from .store.lease import LeaseHeldError
+from .store.signing import Signer, Verifier
 from .vault import Checkpoint, CheckpointSummary, Vault, parse_ref
 
 __all__ = [
@@ -55,6 +59,12 @@ __all__ = [
     "KeepWithin",
     "LastStep",
     "LeaseHeldError",
+    "Lineage",
+    "ModelVersion",
+    "Registry",
+    "RegistryError",
+    "Signer",
+    "Verifier",
     "OnSignal",
     "SaveHandle",
     "YoungDaly",
@@ -66,6 +76,8 @@ __all__ = [
     "SkippedCheckpoint",
     "Vault",
     "__version__",
+    "annotate",
+    "fingerprint_files",
     "open",
     "ops",
     "parse_ref",

@@ -514,6 +514,30 @@ def _restore_collective(root, state, run, step, missing_ok, workers) -> RestoreI
     )
 
 
+def annotate(
+    root: Root | Store,
+    run: str,
+    step: int,
+    metrics: Mapping[str, Any],
+    *,
+    note: str = "",
+    signer: Signer | None = None,
+) -> dict[str, Any]:
+    """Attach evaluation ``metrics`` to checkpoint ``run@step`` after the fact.
+
+    The record is bound to that exact manifest; keep policies (``KeepBest``) and
+    ``restore(step="best")`` use the newest annotated value of each metric. Returns the
+    stored record (time, user, host, metrics).
+    """
+    from .store.annotations import write_annotation
+    from .store.events import log_event
+
+    store = root if isinstance(root, Store) else Store.open(root)
+    record = write_annotation(store, run, step, dict(metrics), note=note, signer=signer)
+    log_event(store, run, "annotate", step=step, metrics=record["metrics"], note=note)
+    return record
+
+
 def open(root: Root) -> Vault:
     """Open the store at ``root`` for reading: runs, checkpoints, manifests, lazy tensors
     (of every tier, when the store has cold tiers: see STORAGE.md)."""

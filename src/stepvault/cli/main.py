@@ -131,6 +131,21 @@ def verify_cmd(
     ] = None,
     root: RootOpt = None,
     deep: Annotated[bool, typer.Option("--deep", help="Decode and re-hash every object.")] = False,
+    signatures: Annotated[
+        bool,
+        typer.Option(
+            "--signatures",
+            help="Also check signatures of manifests, annotations and the registry "
+            "(key: --key or $STEPVAULT_VERIFY_KEY).",
+        ),
+    ] = False,
+    key: Annotated[
+        str | None,
+        typer.Option(help="Public key PEM file, or hmac:SECRET, for --signatures."),
+    ] = None,
+    require: Annotated[
+        bool, typer.Option("--require", help="With --signatures: unsigned records fail too.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Check checkpoints; exits 1 if anything is damaged or missing, 2 on usage errors."""
@@ -140,8 +155,26 @@ def verify_cmd(
             steps = api.open(_root(root)).steps(run)
             step = steps[-1] if steps else None
         report = ops.verify(_root(root), run, step, deep=deep)
+        sig_report = None
+        if signatures:
+            from ..store.signing import Verifier, verifier_from_env
+
+            verifier = Verifier.from_spec(key) if key else verifier_from_env()
+            if verifier is None:
+                raise StepvaultError(
+                    "--signatures needs a key: --key PUBLIC.pem (or hmac:SECRET), or set "
+                    "$STEPVAULT_VERIFY_KEY"
+                )
+            sig_report = ops.verify_signatures(
+                Store.open(_root(root)), verifier, run=run, require=require
+            )
     except StepvaultError as exc:
         return _fail(exc)
+    if sig_report is not None and as_json:
+        _emit_json({**report.to_json(), "signatures": sig_report.to_json()})
+        if not report.ok or not sig_report.ok:
+            raise typer.Exit(1)
+        return None
     if as_json:
         _emit_json(report.to_json())
     else:
@@ -158,7 +191,18 @@ def verify_cmd(
             f"objects ({human_bytes(report.bytes_checked)}), {len(report.damaged)} damaged",
             highlight=False,
         )
+    if sig_report is not None:
+        for e in sig_report.problems:
+            where = e.get("ref") or e.get("key")
+            detail = f" ({e['detail']})" if e.get("detail") else ""
+            console.print(
+                f"[red]{e['status'].upper()}[/]  {e['kind']} {where}{detail}", highlight=False
+            )
+        counts = ", ".join(f"{n} {s}" for s, n in sig_report.to_json()["counts"].items())
+        console.print(f"signatures: {counts or 'nothing to check'}", highlight=False)
     if not report.ok or (not report.checkpoints and ref):
+        raise typer.Exit(1)
+    if sig_report is not None and not sig_report.ok:
         raise typer.Exit(1)
     return None
 
@@ -232,6 +276,10 @@ def export_cmd(
     include: Annotated[str | None, typer.Option(help="Regex on tensor names.")] = None,
     strip_prefix: Annotated[str | None, typer.Option(help="Remove this name prefix.")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Split a DIR export above this.")] = "5GB",
+    quantize: Annotated[
+        str | None,
+        typer.Option(help="LOSSY: 'int8' = per-channel int8 weights (+ '.scale' tensors)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Export weights as safetensors (one file, or an HF-style sharded set with an index)."""
@@ -247,6 +295,7 @@ def export_cmd(
             include=include,
             strip_prefix=strip_prefix,
             max_shard_size=max_shard_size,
+            quantize=quantize,
         )
         store = Store.open(_root(root))
         log_event(
@@ -258,6 +307,7 @@ def export_cmd(
             tensors=report.tensors,
             bytes=report.total_bytes,
             cast=dtype,
+            quantize=quantize,
         )
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
@@ -268,6 +318,14 @@ def export_cmd(
         f"{', '.join(report.files)}",
         highlight=False,
     )
+    if report.quantization:
+        q = report.quantization
+        console.print(
+            f"[yellow]LOSSY[/] {q['scheme']}: {q['tensors']} tensors quantized; relative error "
+            f"max {q['max_rel_error']:.3g}, mean {q['mean_rel_error']:.3g}; max abs error "
+            f"{q['max_abs_error']:.3g}",
+            highlight=False,
+        )
     return None
 
 
@@ -449,6 +507,7 @@ def events_cmd(
 # those modules import heavy optional dependencies inside their commands, not at import).
 # -- command groups: begin
 from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
+from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)
 from . import tiers as _tiers  # noqa: E402,F401  (tier, tiers ls/add/remove/du)
 
 # -- command groups: end
@@ -461,3 +520,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

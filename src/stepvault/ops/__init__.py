@@ -1,9 +1,10 @@
-"""Operations on a whole store: verification and usage (later: gc, tiering, import)."""
+"""Operations on a whole store: verify, signatures, usage, gc, repair, export, import."""
 
-from .export import ExportReport, export_weights
+from .export import ExportReport, dequantize_int8, export_weights, quantize_int8
 from .gc import GCResult, collect_garbage
 from .importing import UntrustedInputError, import_dcp
 from .repair import RepairReport, repair_store
+from .signatures import SignatureReport, sign_existing, verify_signatures
 from .usage import RunUsage, StoreUsage, store_usage, usage
 from .verify import CheckpointReport, VerifyReport, verify, verify_store
 
@@ -13,15 +14,20 @@ __all__ = [
     "GCResult",
     "RepairReport",
     "RunUsage",
+    "SignatureReport",
     "StoreUsage",
     "UntrustedInputError",
     "VerifyReport",
     "collect_garbage",
+    "dequantize_int8",
     "export_weights",
     "import_dcp",
+    "quantize_int8",
     "repair_store",
+    "sign_existing",
     "store_usage",
     "usage",
     "verify",
+    "verify_signatures",
     "verify_store",
 ]

@@ -23,12 +23,19 @@ from ..vault import Vault
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+#: The one lossy export: symmetric int8 per output channel (dim 0), float32 scales.
+INT8_SCHEME = "int8-per-channel-symmetric"
+SCALE_SUFFIX = ".scale"
+
+
 @dataclass
 class ExportReport:
     files: list[str] = field(default_factory=list)
     tensors: int = 0
     total_bytes: int = 0
     cast: str | None = None
+    #: with ``quantize="int8"``: scheme, tensors quantized and the measured error
+    quantization: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -83,6 +90,43 @@ def _choose(module: str | None, modules: list[str], m: Any) -> str:
     return modules[0]
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Symmetric per-output-channel int8: ``weight ≈ q * scale[:, None, ...]``.
+
+    Returns ``(q, scale, error)``; ``error`` holds the measured ``max_abs`` error and the
+    relative Frobenius error ``rel`` = ||w - dequant(q)|| / ||w||. Each element's error is
+    at most half its channel's scale (round to nearest, no clipping: scale = max|w| / 127).
+    """
+    w = weight.detach().to(torch.float32)
+    rows = w.reshape(w.shape[0], -1)
+    amax = rows.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    deq = q.to(torch.float32) * scale[:, None]
+    diff = (rows - deq).abs()
+    norm = float(torch.linalg.vector_norm(rows))
+    error = {
+        "max_abs": float(diff.max()) if diff.numel() else 0.0,
+        "rel": float(torch.linalg.vector_norm(diff)) / norm if norm > 0 else 0.0,
+    }
+    return q.reshape(weight.shape), scale, error
+
+
+def dequantize_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Float32 weights back from an int8 export (``name`` + ``name.scale`` pairs)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in tensors:
+            continue
+        scale = tensors.get(name + SCALE_SUFFIX)
+        if t.dtype == torch.int8 and scale is not None:
+            shape = (t.shape[0],) + (1,) * (t.dim() - 1)
+            out[name] = t.to(torch.float32) * scale.reshape(shape)
+        else:
+            out[name] = t
+    return out
+
+
 def parse_size(text: str | int) -> int:
     """'5GB', '500MB', '2GiB', or a number of bytes."""
     if isinstance(text, int):
@@ -107,6 +151,7 @@ def export_weights(
     include: str | None = None,
     strip_prefix: str | None = None,
     max_shard_size: int | str = "5GB",
+    quantize: str | None = None,
 ) -> ExportReport:
     """Write the module weights of ``run@step`` to ``out``.
 
@@ -114,7 +159,14 @@ def export_weights(
     ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files plus
     ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``.
     ``dtype`` casts floating tensors (e.g. ``bfloat16``); ``include`` is a regex on names.
+
+    ``quantize="int8"`` is LOSSY: every floating tensor with two or more dimensions becomes
+    int8 with one float32 scale per output channel (stored as ``<name>.scale``; see
+    :func:`dequantize_int8`); 1-D tensors (biases, norms) stay as they are. The measured
+    error is in ``report.quantization`` and the file metadata says ``lossy: true``.
     """
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     try:
         from safetensors.torch import save_file
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -124,6 +176,7 @@ def export_weights(
     limit = parse_size(max_shard_size)
     vault = Vault(store)
     report = ExportReport(cast=dtype)
+    errors: dict[str, dict[str, float]] = {}
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
     for name, load in weight_tensors(vault, ref_run, step, module):
@@ -132,14 +185,19 @@ def export_weights(
         if strip_prefix and name.startswith(strip_prefix):
             name = name[len(strip_prefix) :]
         t = load()
-        if target is not None and t.dtype in _CASTABLE:
-            t = t.to(target)
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
+        pieces = {name: t}
+        if quantize and t.dtype in _CASTABLE and t.dim() >= 2 and t.shape[0] > 0:
+            q, scale, error = quantize_int8(t)
+            pieces = {name: q, name + SCALE_SUFFIX: scale}
+            errors[name] = error
+        elif target is not None and t.dtype in _CASTABLE:
+            pieces = {name: t.to(target)}
+        nbytes = sum(p.numel() * p.element_size() for p in pieces.values())
         if sizes[-1] and sizes[-1] + nbytes > limit:
             shards.append({})
             sizes.append(0)
-        shards[-1][name] = t
+        for key, piece in pieces.items():  # a weight and its scale stay in one shard
+            shards[-1][key] = piece.contiguous()
         sizes[-1] += nbytes
         report.tensors += 1
         report.total_bytes += nbytes
@@ -147,6 +205,18 @@ def export_weights(
         raise StepvaultError(f"nothing to export from {ref_run}@{step} (filter {include!r})")
     out = os.fspath(out)
     meta = {"format": "pt", "stepvault_source": f"{ref_run}@{step}"}
+    if quantize:
+        rels = [e["rel"] for e in errors.values()]
+        report.quantization = {
+            "scheme": INT8_SCHEME,
+            "lossy": True,
+            "tensors": len(errors),
+            "max_abs_error": max((e["max_abs"] for e in errors.values()), default=0.0),
+            "max_rel_error": max(rels, default=0.0),
+            "mean_rel_error": sum(rels) / len(rels) if rels else 0.0,
+            "per_tensor": errors,
+        }
+        meta.update(stepvault_quantization=INT8_SCHEME, lossy="true")
     if out.endswith(".safetensors"):
         if len(shards) > 1:
             raise StepvaultError(

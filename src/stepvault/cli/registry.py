@@ -1,0 +1,350 @@
+"""Registry, evaluation and trust commands: annotate, register, promote, rollback, models,
+lineage, keygen, sign."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.tree import Tree
+
+from .. import ops
+from ..errors import StepvaultError
+from ..registry import Registry, lineage_report
+from ..store import Store
+from ..store.annotations import write_annotation
+from ..store.events import log_event
+from ..store.signing import Signer, signer_from_env
+from ..vault import parse_ref
+from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, _time, app, console
+
+KeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--key",
+        help="Signing key: Ed25519 private key PEM, or hmac:SECRET (default: "
+        "$STEPVAULT_SIGNING_KEY; unsigned when neither is set).",
+    ),
+]
+
+
+def _exact(ref: str) -> tuple[str, int]:
+    run, step = parse_ref(ref)
+    if not isinstance(step, int):
+        raise StepvaultError(f"{ref!r}: name an exact checkpoint as RUN@STEP")
+    return run, step
+
+
+def _signer(key: str | None) -> Signer | None:
+    return Signer.from_spec(key) if key else signer_from_env()
+
+
+def _parse_metrics(pairs: list[str]) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise StepvaultError(f"{pair!r}: write metrics as NAME=VALUE, e.g. val_loss=2.31")
+        try:
+            metrics[name] = float(value)
+        except ValueError:
+            raise StepvaultError(f"{pair!r}: {value!r} is not a number") from None
+    return metrics
+
+
+@app.command("annotate")
+def annotate_cmd(
+    ref: Annotated[str, typer.Argument(help="RUN@STEP to annotate.")],
+    metrics: Annotated[list[str], typer.Argument(help="NAME=VALUE pairs, e.g. val_loss=2.31.")],
+    note: Annotated[str, typer.Option(help="Free text kept with the record.")] = "",
+    key: KeyOpt = None,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Attach evaluation metrics to a checkpoint after the fact (best-k and 'best' use them)."""
+    try:
+        run, step = _exact(ref)
+        store = Store.open(_root(root))
+        record = write_annotation(
+            store, run, step, _parse_metrics(metrics), note=note, signer=_signer(key)
+        )
+        log_event(store, run, "annotate", step=step, metrics=record["metrics"], note=note)
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(record)
+    shown = ", ".join(f"{k}={v:g}" for k, v in record["metrics"].items())
+    console.print(f"annotated {run}@{step}: {shown}", highlight=False)
+    return None
+
+
+def _export_info(store: Store, run: str, step: int, out: str, **options: Any) -> dict[str, Any]:
+    from blake3 import blake3
+
+    report = ops.export_weights(store, run, step, out, **options)
+    files = []
+    for path in report.files:
+        h = blake3(max_threads=blake3.AUTO)
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+        files.append({"path": os.path.abspath(path), "blake3": h.hexdigest()})
+    log_event(
+        store,
+        run,
+        "export",
+        step=step,
+        output=out,
+        tensors=report.tensors,
+        bytes=report.total_bytes,
+        **{k: v for k, v in options.items() if v},
+    )
+    return {
+        "files": files,
+        "tensors": report.tensors,
+        "bytes": report.total_bytes,
+        "options": {k: v for k, v in options.items() if v},
+        "quantization": {k: v for k, v in (report.quantization or {}).items() if k != "per_tensor"}
+        or None,
+    }
+
+
+@app.command("register")
+def register_cmd(
+    model: Annotated[str, typer.Argument(help="Model name.")],
+    ref: Annotated[str, typer.Argument(help="RUN@STEP of the checkpoint.")],
+    export: Annotated[
+        str | None, typer.Option("--export", help="Also export the weights to this DIR/FILE.")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="With --export: cast floats.")] = None,
+    quantize: Annotated[str | None, typer.Option(help="With --export: 'int8' (lossy).")] = None,
+    module: Annotated[str | None, typer.Option(help="With --export: module to export.")] = None,
+    note: Annotated[str, typer.Option(help="Free text kept with the version.")] = "",
+    key: KeyOpt = None,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Register a checkpoint as a new version of MODEL (it is then protected from GC)."""
+    try:
+        run, step = _exact(ref)
+        store = Store.open(_root(root))
+        info = None
+        if export:
+            info = _export_info(
+                store, run, step, export, dtype=dtype, quantize=quantize, module=module
+            )
+        version = Registry(store, signer=_signer(key)).register(
+            model, run, step, note=note, export=info
+        )
+    except (StepvaultError, ValueError, OSError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(version.to_json())
+    console.print(f"{model} v{version.version} = {version.ref}", highlight=False)
+    return None
+
+
+@app.command("promote")
+def promote_cmd(
+    model: Annotated[str, typer.Argument(help="Model name (created on first use).")],
+    target: Annotated[str, typer.Argument(help="RUN@STEP, or an existing version as vN.")],
+    alias: Annotated[str, typer.Option("--alias", "-a", help="e.g. candidate, stable.")],
+    note: Annotated[str, typer.Option(help="Why (kept in the history).")] = "",
+    key: KeyOpt = None,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Point MODEL@ALIAS at a checkpoint (registering it as a new version if needed)."""
+    try:
+        move = Registry(_root(root), signer=_signer(key)).promote(model, target, alias, note=note)
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(move.to_json())
+    was = f" (was v{move.previous})" if move.previous is not None else ""
+    console.print(f"{model}@{alias} -> v{move.version}{was}", highlight=False)
+    return None
+
+
+@app.command("rollback")
+def rollback_cmd(
+    model: Annotated[str, typer.Argument(help="Model name.")],
+    alias: Annotated[str, typer.Option("--alias", "-a", help="Alias to move back.")],
+    note: Annotated[str, typer.Option(help="Why (kept in the history).")] = "",
+    key: KeyOpt = None,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Move MODEL@ALIAS back to the version it held before."""
+    try:
+        move = Registry(_root(root), signer=_signer(key)).rollback(model, alias, note=note)
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(move.to_json())
+    console.print(f"{model}@{alias} -> v{move.version} (was v{move.previous})", highlight=False)
+    return None
+
+
+@app.command("models")
+def models_cmd(
+    model: Annotated[str | None, typer.Argument(help="One model; all when omitted.")] = None,
+    history: Annotated[bool, typer.Option("--history", help="Every alias move.")] = False,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Registered models: versions, aliases and (with --history) every alias move."""
+    try:
+        reg = Registry(_root(root))
+        names = [model] if model else reg.models()
+        data = [
+            {
+                "model": name,
+                "aliases": reg.aliases(name),
+                "versions": [v.to_json() for v in reg.versions(name)],
+                "history": [m.to_json() for m in reg.history(name)] if history else None,
+            }
+            for name in names
+        ]
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(data)
+    if not data:
+        console.print("no models registered")
+    for d in data:
+        table = Table(title=d["model"], title_justify="left")
+        for col in ("version", "checkpoint", "aliases", "registered", "by", "export", "note"):
+            table.add_column(col)
+        for v in d["versions"]:
+            held = ", ".join(a for a, n in d["aliases"].items() if n == v["version"])
+            exported = len((v["export"] or {}).get("files", []))
+            table.add_row(
+                f"v{v['version']}",
+                f"{v['run']}@{v['step']}",
+                held,
+                _time(v["created"]),
+                v["user"],
+                f"{exported} files" if exported else "",
+                v["note"],
+            )
+        console.print(table)
+        if d["history"]:
+            hist = Table(title=f"{d['model']}: alias history", title_justify="left")
+            for col in ("#", "time", "alias", "action", "to", "from", "by", "note"):
+                hist.add_column(col)
+            for m in d["history"]:
+                hist.add_row(
+                    str(m["seq"]),
+                    _time(m["time"]),
+                    m["alias"],
+                    m["action"],
+                    f"v{m['version']}" if m["version"] else "-",
+                    f"v{m['previous']}" if m["previous"] else "-",
+                    m["user"],
+                    m["note"],
+                )
+            console.print(hist)
+    return None
+
+
+def _describe(node: dict[str, Any], tree: Tree) -> None:
+    branch = tree.add(
+        f"checkpoint [bold]{node['run']}@{node['step']}[/] ({node['kind']}, "
+        f"{_time(node['created'])}) manifest {node['manifest_blake3'][:16]}"
+    )
+    if node.get("warning"):
+        branch.add(f"[yellow]warning:[/] {node['warning']}")
+    if node.get("metrics"):
+        branch.add("metrics: " + ", ".join(f"{k}={v:g}" for k, v in node["metrics"].items()))
+    lin = node.get("lineage")
+    if lin is None:
+        branch.add(node.get("lineage_error") or "[dim]no lineage recorded[/]")
+    else:
+        code = lin.get("code") or {}
+        if code:
+            dirty = " [yellow](dirty)[/]" if code.get("dirty") else ""
+            branch.add(
+                f"code: git {str(code.get('git_commit'))[:12]}{dirty} "
+                f"{code.get('git_branch') or ''} {code.get('repository') or ''}"
+            )
+        else:
+            branch.add("code: [dim]not in a git repository[/]")
+        if lin.get("config") is not None:
+            cfg = branch.add("config")
+            items = lin["config"].items() if isinstance(lin["config"], dict) else []
+            for k, v in list(items)[:40]:
+                cfg.add(f"{k} = {v}")
+        if lin.get("data") is not None:
+            branch.add(f"data: {lin['data']}")
+        env = lin.get("environment") or {}
+        branch.add("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    parent = node.get("parent")
+    if parent:
+        if "error" in parent:
+            branch.add(f"[red]parent {parent['run']}@{parent['step']}: {parent['error']}[/]")
+        else:
+            _describe(parent, branch.add("[bold]parent[/] (fine-tuned from)"))
+
+
+@app.command("lineage")
+def lineage_cmd(
+    spec: Annotated[str, typer.Argument(help="MODEL@ALIAS, MODEL@vN, MODEL, or RUN@STEP.")],
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """How a model or checkpoint was made: version, checkpoint, run, config, code, data,
+    environment and parent (followed back through fine-tunes)."""
+    try:
+        report = lineage_report(Store.open(_root(root)), spec)
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(report)
+    if report["model"]:
+        v = report["version"]
+        aliases = ", ".join(report.get("aliases") or []) or "no alias"
+        tree = Tree(f"model [bold]{report['model']}[/] v{v['version']} ({aliases})")
+    else:
+        tree = Tree(f"[bold]{spec}[/]")
+    _describe(report["checkpoint"], tree)
+    console.print(tree, highlight=False)
+    return None
+
+
+@app.command("keygen")
+def keygen_cmd(
+    out: Annotated[str, typer.Argument(help="Writes OUT.key (private, 0600) and OUT.pub.")],
+) -> None:
+    """Create an Ed25519 key pair for signing manifests and registry records."""
+    try:
+        signer = Signer.generate()
+        signer.write_key_files(out + ".key", out + ".pub")
+    except (StepvaultError, OSError) as exc:
+        return _fail(exc)
+    console.print(
+        f"wrote {out}.key (keep it secret) and {out}.pub (key id {signer.key_id}); sign with "
+        f"STEPVAULT_SIGNING_KEY={out}.key, verify with --key {out}.pub",
+        highlight=False,
+    )
+    return None
+
+
+@app.command("sign")
+def sign_cmd(
+    run: Annotated[str, typer.Argument(help="Run whose unsigned manifests to sign.")],
+    key: KeyOpt = None,
+    root: RootOpt = None,
+) -> None:
+    """Sign the committed manifests of RUN that have no signature yet."""
+    try:
+        signer = _signer(key)
+        if signer is None:
+            raise StepvaultError("no key: pass --key FILE.key (or hmac:SECRET)")
+        n = ops.sign_existing(Store.open(_root(root)), signer, run)
+    except (StepvaultError, ValueError, OSError) as exc:
+        return _fail(exc)
+    console.print(f"signed {n} manifest(s) of {run} with key {signer.key_id}", highlight=False)
+    return None

@@ -1,0 +1,80 @@
+"""``stepvault lineage``: model → version → checkpoint → run → config, code, data, parent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import StepvaultError
+from ..format import parse_manifest
+from ..lineage import read_lineage
+from ..store import Store
+from ..store.annotations import manifest_id
+from ..vault import parse_ref
+from .models import Registry
+
+#: Parents are followed this deep (a fine-tune of a fine-tune of ...).
+MAX_DEPTH = 32
+
+
+def _checkpoint(store: Store, run: str, step: int) -> dict[str, Any]:
+    data = store.read_manifest(run, step)
+    m = parse_manifest(data, f"{run}@{step}")
+    node: dict[str, Any] = {
+        "run": run,
+        "step": step,
+        "manifest_blake3": manifest_id(data),
+        "created": m.created,
+        "kind": m.kind,
+        "metrics": dict(m.metrics),
+        "run_info": store.read_run_info(run),
+        "lineage": None,
+    }
+    if m.lineage is not None:
+        try:
+            node["lineage"] = read_lineage(store, run, m.lineage)
+        except StepvaultError as exc:
+            node["lineage_error"] = str(exc)
+    return node
+
+
+def lineage_report(store: Store, spec: str) -> dict[str, Any]:
+    """The lineage of ``MODEL[@ALIAS|@vN]`` or of a checkpoint ``RUN@STEP``.
+
+    Returns ``{"model": ..., "version": ..., "checkpoint": {..., "lineage": record,
+    "parent": {...}}}``; parents are followed (checking each one's manifest hash against
+    the hash recorded at fine-tuning time).
+    """
+    registry = Registry(store)
+    name = spec.partition("@")[0]
+    report: dict[str, Any] = {"spec": spec, "model": None, "version": None}
+    if name in registry.models():
+        version = registry.resolve(spec)
+        report["model"] = version.model
+        report["version"] = version.to_json()
+        report["aliases"] = [
+            a for a, v in registry.aliases(version.model).items() if v == version.version
+        ]
+        run, step = version.run, version.step
+    else:
+        run, step = parse_ref(spec)
+        if not isinstance(step, int):
+            steps = store.list_steps(run)
+            if not steps:
+                raise StepvaultError(f"{spec!r} is neither a registered model nor a checkpoint")
+            step = steps[-1]
+    root = node = _checkpoint(store, run, step)
+    for _ in range(MAX_DEPTH):
+        parent = (node.get("lineage") or {}).get("parent")
+        if not parent:
+            break
+        try:
+            child = _checkpoint(store, parent["run"], int(parent["step"]))
+        except StepvaultError as exc:
+            node["parent"] = {**parent, "error": str(exc)}
+            break
+        if child["manifest_blake3"] != parent.get("manifest_blake3"):
+            child["warning"] = "this checkpoint was replaced after the fine-tune started"
+        node["parent"] = child
+        node = child
+    report["checkpoint"] = root
+    return report

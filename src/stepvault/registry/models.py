@@ -1,0 +1,456 @@
+"""The model registry: named models, numbered versions, aliases, promote and rollback.
+
+A *version* links a model name to one exact checkpoint (run, step and the BLAKE3 of its
+manifest) and, optionally, to its exported weights. An *alias* (``candidate``, ``stable``,
+``fallback``, or any name) points at one version; moving it is a *promotion*, and
+``rollback`` moves it back to the version it held before. Every move is a record of its own,
+so the full history is kept and can be audited.
+
+Layout (every file is created exclusively, never rewritten)::
+
+    refs/registry/<model>/versions/<n>.json   {model, version, run, step, manifest_blake3,
+                                               export, note, time, user, host[, signature]}
+    refs/registry/<model>/moves/<seq>.json    {model, seq, alias, action, version, previous,
+                                               prev_blake3, note, time, user, host[, signature]}
+
+``prev_blake3`` is the BLAKE3 of the previous move file, so the history is a hash chain:
+a deleted, edited or reordered move is detected by :meth:`Registry.check` (signatures
+additionally prove who wrote each record). Registering a version places a *hold* on its
+checkpoint (``refs/holds/``), which keeps it safe from every keep policy and from GC.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from blake3 import blake3
+
+from ..errors import CheckpointNotFoundError, StepvaultError
+from ..store import Store, validate_run_name
+from ..store.annotations import manifest_id
+from ..store.events import log_event
+from ..store.signing import Signer, Verifier
+
+#: The suggested trio; any valid name works.
+SUGGESTED_ALIASES = ("candidate", "stable", "fallback")
+_NUMBERED = re.compile(r"^([1-9][0-9]{0,8})\.json$")
+_VERSION_REF = re.compile(r"^v([1-9][0-9]{0,8})$")
+
+
+class RegistryError(StepvaultError):
+    """A registry operation that cannot be done (unknown model/alias, nothing to roll back)."""
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return str(os.getuid()) if hasattr(os, "getuid") else "?"
+
+
+def validate_model_name(name: str) -> str:
+    """A model name follows the run-name rules (it becomes a directory name)."""
+    return validate_run_name(name)
+
+
+def validate_alias(alias: str) -> str:
+    """Aliases follow the run-name rules and must not look like a version (``v3``) or step."""
+    validate_run_name(alias)
+    if alias.isdigit() or _VERSION_REF.match(alias) or alias == "latest":
+        raise RegistryError(
+            f"alias {alias!r} would be ambiguous with a step or a version number; pick a name "
+            f"such as {', '.join(SUGGESTED_ALIASES)}"
+        )
+    return alias
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    """One registered version of a model."""
+
+    model: str
+    version: int
+    run: str
+    step: int
+    manifest_blake3: str
+    created: float
+    export: dict[str, Any] | None = None
+    note: str = ""
+    user: str = ""
+    host: str = ""
+
+    @property
+    def ref(self) -> str:
+        return f"{self.run}@{self.step}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class AliasMove:
+    """One change of an alias: promote, rollback or remove."""
+
+    model: str
+    seq: int
+    alias: str
+    action: str
+    version: int | None  # holder after the move
+    previous: int | None  # holder before the move
+    time: float
+    note: str = ""
+    user: str = ""
+    host: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _version_from(record: dict[str, Any]) -> ModelVersion:
+    return ModelVersion(
+        model=record["model"],
+        version=int(record["version"]),
+        run=record["run"],
+        step=int(record["step"]),
+        manifest_blake3=record["manifest_blake3"],
+        created=float(record["time"]),
+        export=record.get("export"),
+        note=record.get("note", ""),
+        user=record.get("user", ""),
+        host=record.get("host", ""),
+    )
+
+
+def _move_from(record: dict[str, Any]) -> AliasMove:
+    return AliasMove(
+        model=record["model"],
+        seq=int(record["seq"]),
+        alias=record["alias"],
+        action=record["action"],
+        version=record.get("version"),
+        previous=record.get("previous"),
+        time=float(record["time"]),
+        note=record.get("note", ""),
+        user=record.get("user", ""),
+        host=record.get("host", ""),
+    )
+
+
+class Registry:
+    """Models, versions and aliases in a store (``Registry(root)`` or ``Registry(store)``)."""
+
+    def __init__(self, root: str | os.PathLike[str] | Store, *, signer: Signer | None = None):
+        self.store = root if isinstance(root, Store) else Store.open(root)
+        self.signer = signer if signer is not None else self.store.signer
+
+    # ---------------------------------------------------------------- reading
+    def _prefix(self, model: str) -> str:
+        return f"refs/registry/{validate_model_name(model)}"
+
+    def _numbers(self, key: str) -> list[int]:
+        return sorted(
+            int(m.group(1)) for n in self.store.backend.list(key) if (m := _NUMBERED.match(n))
+        )
+
+    def _read(self, key: str) -> tuple[bytes, dict[str, Any]]:
+        data = self.store.backend.read_bytes(key)
+        try:
+            record = json.loads(data)
+        except ValueError:
+            raise StepvaultError(f"registry record {key} is damaged (not JSON)") from None
+        if not isinstance(record, dict):
+            raise StepvaultError(f"registry record {key} is damaged (not an object)")
+        return data, record
+
+    def models(self) -> list[str]:
+        """Every registered model name."""
+        out = []
+        for name in self.store.backend.list("refs/registry"):
+            try:
+                out.append(validate_model_name(name))
+            except ValueError:
+                continue
+        return sorted(out)
+
+    def versions(self, model: str) -> list[ModelVersion]:
+        """Every version of ``model``, oldest first."""
+        prefix = f"{self._prefix(model)}/versions"
+        return [_version_from(self._read(f"{prefix}/{n}.json")[1]) for n in self._numbers(prefix)]
+
+    def version(self, model: str, version: int) -> ModelVersion:
+        """Version ``version`` of ``model``."""
+        try:
+            _, record = self._read(f"{self._prefix(model)}/versions/{int(version)}.json")
+        except FileNotFoundError:
+            known = [v.version for v in self.versions(model)]
+            raise RegistryError(
+                f"model {model!r} has no version {version} (versions: {known or 'none'})"
+            ) from None
+        return _version_from(record)
+
+    def history(self, model: str, alias: str | None = None) -> list[AliasMove]:
+        """Every alias move of ``model`` (of one ``alias`` if given), oldest first."""
+        prefix = f"{self._prefix(model)}/moves"
+        moves = [_move_from(self._read(f"{prefix}/{n}.json")[1]) for n in self._numbers(prefix)]
+        return [m for m in moves if alias is None or m.alias == alias]
+
+    def _stacks(self, model: str) -> dict[str, list[int]]:
+        """Replay the moves: promote pushes, rollback pops, remove clears."""
+        stacks: dict[str, list[int]] = {}
+        for m in self.history(model):
+            stack = stacks.setdefault(m.alias, [])
+            if m.action == "promote" and m.version is not None:
+                stack.append(m.version)
+            elif m.action == "rollback" and stack:
+                stack.pop()
+            elif m.action == "remove":
+                stack.clear()
+        return stacks
+
+    def aliases(self, model: str) -> dict[str, int]:
+        """Current holder (version number) of each alias of ``model``."""
+        return {a: s[-1] for a, s in sorted(self._stacks(model).items()) if s}
+
+    def resolve(self, spec: str) -> ModelVersion:
+        """``MODEL@ALIAS``, ``MODEL@vN`` or ``MODEL`` (its newest version) → the version."""
+        model, _, which = spec.partition("@")
+        if model not in self.models():
+            raise RegistryError(
+                f"no model {model!r} in the registry of {self.store.backend.url} "
+                f"(models: {', '.join(self.models()) or 'none'}); register one with "
+                "'stepvault promote MODEL RUN@STEP --alias candidate'"
+            )
+        if not which:
+            versions = self.versions(model)
+            if not versions:
+                raise RegistryError(f"model {model!r} has no versions yet")
+            return versions[-1]
+        m = _VERSION_REF.match(which)
+        if m:
+            return self.version(model, int(m.group(1)))
+        held = self.aliases(model)
+        if which not in held:
+            raise RegistryError(
+                f"model {model!r} has no alias {which!r} (aliases: "
+                f"{', '.join(f'{a}=v{v}' for a, v in held.items()) or 'none'})"
+            )
+        return self.version(model, held[which])
+
+    # ---------------------------------------------------------------- writing
+    def _signed(self, record: dict[str, Any]) -> bytes:
+        if self.signer is not None:
+            record = self.signer.sign_record(record)
+        return json.dumps(record, sort_keys=True).encode()
+
+    def _stamp(self) -> dict[str, Any]:
+        return {"time": time.time(), "user": _user(), "host": socket.gethostname()}
+
+    def register(
+        self,
+        model: str,
+        run: str,
+        step: int,
+        *,
+        note: str = "",
+        export: dict[str, Any] | None = None,
+    ) -> ModelVersion:
+        """A new version of ``model`` for checkpoint ``run@step`` (or the existing one).
+
+        The checkpoint is held (protected from retention and GC) for as long as the version
+        exists. ``export`` records where its weights were exported (see ``stepvault export``).
+        """
+        validate_model_name(model)
+        try:
+            mid = manifest_id(self.store.read_manifest(run, step))
+        except CheckpointNotFoundError as exc:
+            raise RegistryError(f"cannot register {run}@{step}: {exc}") from None
+        for v in self.versions(model):
+            if v.manifest_blake3 == mid and export is None:
+                return v  # registering the same checkpoint twice is a no-op
+        prefix = f"{self._prefix(model)}/versions"
+        for _ in range(1000):
+            n = max(self._numbers(prefix), default=0) + 1
+            record = {
+                "model": model,
+                "version": n,
+                "run": run,
+                "step": int(step),
+                "manifest_blake3": mid,
+                "export": export,
+                "note": note,
+                **self._stamp(),
+            }
+            # Hold first: a version must never exist without its protection.
+            self.store.hold(run, step, f"{model}.v{n}")
+            try:
+                self.store.backend.put_atomic(
+                    f"{prefix}/{n}.json", [self._signed(record)], overwrite=False
+                )
+            except FileExistsError:
+                # Another process took number n: drop our hold unless theirs is the same one.
+                _, theirs = self._read(f"{prefix}/{n}.json")
+                if (theirs.get("run"), theirs.get("step")) != (run, int(step)):
+                    self.store.release(run, step, f"{model}.v{n}")
+                continue
+            log_event(self.store, run, "register", step=step, model=model, version=n)
+            return _version_from(record)
+        raise RegistryError(f"could not allocate a version number for {model!r}")
+
+    def _append_move(
+        self, model: str, alias: str, action: str, decide: Any, note: str
+    ) -> AliasMove:
+        prefix = f"{self._prefix(model)}/moves"
+        for _ in range(1000):
+            seqs = self._numbers(prefix)
+            seq = max(seqs, default=0) + 1
+            prev_hash = None
+            if seqs:
+                prev_hash = blake3(self.store.backend.read_bytes(f"{prefix}/{seqs[-1]}.json"))
+                prev_hash = prev_hash.hexdigest()
+            stack = self._stacks(model).get(alias, [])
+            previous = stack[-1] if stack else None
+            version = decide(stack)
+            record = {
+                "model": model,
+                "seq": seq,
+                "alias": alias,
+                "action": action,
+                "version": version,
+                "previous": previous,
+                "prev_blake3": prev_hash,
+                "note": note,
+                **self._stamp(),
+            }
+            try:
+                self.store.backend.put_atomic(
+                    f"{prefix}/{seq}.json", [self._signed(record)], overwrite=False
+                )
+            except FileExistsError:
+                continue  # a concurrent move won this number: decide again on the new state
+            move = _move_from(record)
+            target = self.version(model, version) if version is not None else None
+            if target is not None:
+                log_event(
+                    self.store,
+                    target.run,
+                    action,
+                    step=target.step,
+                    model=model,
+                    alias=alias,
+                    version=version,
+                    previous=previous,
+                )
+            return move
+        raise RegistryError(f"could not record the move of {model}@{alias}")
+
+    def promote(
+        self, model: str, target: str | int | ModelVersion, alias: str, *, note: str = ""
+    ) -> AliasMove:
+        """Point ``alias`` of ``model`` at ``target`` (``RUN@STEP``, a version number, or a
+        :class:`ModelVersion`); a checkpoint not yet registered becomes a new version."""
+        validate_alias(alias)
+        if isinstance(target, ModelVersion):
+            version = target.version
+        elif isinstance(target, int):
+            version = self.version(model, target).version
+        else:
+            m = _VERSION_REF.match(target)
+            if m:
+                version = self.version(model, int(m.group(1))).version
+            else:
+                from ..vault import parse_ref
+
+                run, step = parse_ref(target)
+                if not isinstance(step, int):
+                    raise RegistryError(
+                        f"promote needs an exact checkpoint RUN@STEP, got {target!r}"
+                    )
+                version = self.register(model, run, step).version
+        return self._append_move(model, alias, "promote", lambda stack: version, note)
+
+    def rollback(self, model: str, alias: str, *, note: str = "") -> AliasMove:
+        """Move ``alias`` back to the version it held before its current one."""
+        validate_alias(alias)
+
+        def decide(stack: list[int]) -> int:
+            if len(stack) < 2:
+                held = f"only v{stack[-1]} has held it" if stack else "it holds nothing"
+                raise RegistryError(
+                    f"cannot roll back {model}@{alias}: {held}; promote a version instead"
+                )
+            return stack[-2]
+
+        return self._append_move(model, alias, "rollback", decide, note)
+
+    def remove_alias(self, model: str, alias: str, *, note: str = "") -> AliasMove:
+        """Clear ``alias`` (its history is kept)."""
+        validate_alias(alias)
+        if alias not in self.aliases(model):
+            raise RegistryError(f"model {model!r} has no alias {alias!r}")
+        return self._append_move(model, alias, "remove", lambda stack: None, note)
+
+    # ---------------------------------------------------------------- checking
+    def check(self, verifier: Verifier | None = None) -> list[dict[str, Any]]:
+        """Every registry record with its status: ``ok``, ``damaged``, ``broken-chain``,
+        ``missing-checkpoint``, ``changed-checkpoint``, and with a verifier also the
+        signature verdict (``valid``, ``invalid``, ``unsigned``, ``other-key``)."""
+        out: list[dict[str, Any]] = []
+        for model in self.models():
+            prefix = self._prefix(model)
+            for n in self._numbers(f"{prefix}/versions"):
+                key = f"{prefix}/versions/{n}.json"
+                out.append(self._check_version(key, verifier))
+            prev: bytes | None = None
+            expected = 1
+            for seq in self._numbers(f"{prefix}/moves"):
+                key = f"{prefix}/moves/{seq}.json"
+                entry: dict[str, Any] = {"key": key, "kind": "move", "status": "ok"}
+                try:
+                    data, record = self._read(key)
+                except StepvaultError as exc:
+                    out.append({**entry, "status": "damaged", "detail": str(exc)})
+                    prev = None
+                    continue
+                want = blake3(prev).hexdigest() if prev is not None else None
+                if seq != expected:
+                    entry.update(
+                        status="broken-chain", detail=f"moves {expected}..{seq - 1} are missing"
+                    )
+                elif record.get("prev_blake3") != want or record.get("seq") != seq:
+                    entry.update(
+                        status="broken-chain",
+                        detail="does not follow the previous move (history edited or reordered)",
+                    )
+                if verifier is not None:
+                    entry["signature"] = verifier.check_record(record).status
+                out.append(entry)
+                prev, expected = data, seq + 1
+        return out
+
+    def _check_version(self, key: str, verifier: Verifier | None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"key": key, "kind": "version", "status": "ok"}
+        try:
+            _, record = self._read(key)
+            v = _version_from(record)
+        except (StepvaultError, KeyError, TypeError, ValueError) as exc:
+            return {**entry, "status": "damaged", "detail": str(exc)}
+        entry["ref"] = v.ref
+        try:
+            current = manifest_id(self.store.read_manifest(v.run, v.step))
+        except StepvaultError:
+            entry.update(status="missing-checkpoint", detail=f"{v.ref} is gone")
+        else:
+            if current != v.manifest_blake3:
+                entry.update(
+                    status="changed-checkpoint", detail=f"{v.ref} is not the manifest registered"
+                )
+        if verifier is not None:
+            entry["signature"] = verifier.check_record(record).status
+        return entry
