@@ -297,18 +297,6 @@ def export_cmd(
             max_shard_size=max_shard_size,
             quantize=quantize,
         )
-        store = Store.open(_root(root))
-        log_event(
-            store,
-            run,
-            "export",
-            step=step,
-            output=output,
-            tensors=report.tensors,
-            bytes=report.total_bytes,
-            cast=dtype,
-            quantize=quantize,
-        )
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
     if as_json:

@@ -91,16 +91,6 @@ def _export_info(store: Store, run: str, step: int, out: str, **options: Any) ->
             while block := f.read(1 << 24):
                 h.update(block)
         files.append({"path": os.path.abspath(path), "blake3": h.hexdigest()})
-    log_event(
-        store,
-        run,
-        "export",
-        step=step,
-        output=out,
-        tensors=report.tensors,
-        bytes=report.total_bytes,
-        **{k: v for k, v in options.items() if v},
-    )
     return {
         "files": files,
         "tensors": report.tensors,

@@ -18,6 +18,7 @@ import torch
 from ..errors import StepvaultError
 from ..format.encoding import torch_dtype
 from ..store import Store
+from ..store.events import log_event
 from ..vault import Vault
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -36,6 +37,7 @@ class ExportReport:
     cast: str | None = None
     #: with ``quantize="int8"``: scheme, tensors quantized and the measured error
     quantization: dict[str, Any] | None = None
+    step: int | None = None  # the step exported (resolved when "latest" was asked for)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -153,7 +155,7 @@ def export_weights(
     max_shard_size: int | str = "5GB",
     quantize: str | None = None,
 ) -> ExportReport:
-    """Write the module weights of ``run@step`` to ``out``.
+    """Write the module weights of ``run@step`` to ``out`` (logged as an ``export`` event).
 
     ``out`` ending in ``.safetensors`` is one file; otherwise a directory receives
     ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files plus
@@ -165,6 +167,47 @@ def export_weights(
     :func:`dequantize_int8`); 1-D tensors (biases, norms) stay as they are. The measured
     error is in ``report.quantization`` and the file metadata says ``lossy: true``.
     """
+    report = _export(
+        store,
+        ref_run,
+        step,
+        out,
+        module=module,
+        dtype=dtype,
+        include=include,
+        strip_prefix=strip_prefix,
+        max_shard_size=max_shard_size,
+        quantize=quantize,
+    )
+    q = report.quantization or {}
+    log_event(
+        store,
+        ref_run,
+        "export",
+        step=report.step,
+        output=os.fspath(out),
+        tensors=report.tensors,
+        bytes=report.total_bytes,
+        cast=dtype,
+        quantize=quantize,
+        max_rel_error=q.get("max_rel_error"),
+    )
+    return report
+
+
+def _export(
+    store: Store,
+    ref_run: str,
+    step: int | str | None,
+    out: str | os.PathLike[str],
+    *,
+    module: str | None = None,
+    dtype: str | None = None,
+    include: str | None = None,
+    strip_prefix: str | None = None,
+    max_shard_size: int | str = "5GB",
+    quantize: str | None = None,
+) -> ExportReport:
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     try:
@@ -179,6 +222,7 @@ def export_weights(
     errors: dict[str, dict[str, float]] = {}
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
+    report.step = step = vault.checkpoint(ref_run, step).manifest.step  # "latest" -> int
     for name, load in weight_tensors(vault, ref_run, step, module):
         if pattern is not None and not pattern.search(name):
             continue
