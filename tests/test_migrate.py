@@ -265,7 +265,7 @@ def test_real_lightning_checkpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
-    """A real ``checkpoint-4`` folder written by a transformers Trainer (tiny GPT-2 config)."""
+    """Real ``checkpoint-2`` and ``checkpoint-4`` folders of a transformers Trainer (tiny GPT-2)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     out = tmp_path_factory.mktemp("hf")
@@ -292,7 +292,7 @@ def hf_checkpoint(tmp_path_factory):
     args = transformers.TrainingArguments(
         output_dir=str(out),
         max_steps=4,
-        save_steps=4,
+        save_steps=2,
         per_device_train_batch_size=4,
         report_to=[],
         use_cpu=True,
@@ -375,6 +375,27 @@ def test_real_hf_trainer_checkpoint(hf_checkpoint, tmp_path):
     )
     args = stepvault.open(root).checkpoint("hf@5").metadata["training_args"]
     assert args["max_steps"] == 4 and args["per_device_train_batch_size"] == 4
+
+
+def test_hf_output_dir_imports_every_checkpoint_in_step_order(hf_checkpoint, tmp_path):
+    folder = hf_checkpoint[0]
+    output_dir = folder.parent
+    root = tmp_path / "store"
+    res = cli("--root", root, "import", output_dir, "--run", "hf", "--step", "9")
+    assert res.exit_code == 2 and "step= applies to one" in " ".join(res.output.split())
+    with pytest.raises(stepvault.StepvaultError, match="import_checkpoints"):
+        import_checkpoint(root, output_dir, run="hf")  # the single-checkpoint API says so
+    res = cli("--root", root, "import", output_dir, "--run", "hf", "--json")
+    assert res.exit_code == 0, res.output
+    assert [r["step"] for r in json.loads(res.output)] == [2, 4]
+    vault = stepvault.open(root)
+    assert vault.steps("hf") == [2, 4]
+    assert vault.checkpoint("hf@4").manifest.parent_step == 2
+    from safetensors.torch import load_file
+
+    for step in (2, 4):
+        expected = load_file(output_dir / f"checkpoint-{step}" / "model.safetensors")
+        assert_same(by_name(expected), by_name(vault.checkpoint("hf", step).load()["model"]))
 
 
 def test_hf_rng_layout_conversion_rejects_foreign_layouts():

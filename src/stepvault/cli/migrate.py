@@ -15,8 +15,8 @@ def import_cmd(
     path: Annotated[
         str,
         typer.Argument(
-            help="An HF checkpoint-N folder, a Lightning .ckpt, a .pt/.pth file or a "
-            ".safetensors file."
+            help="An HF checkpoint-N folder (or a Trainer output dir: every checkpoint-N in "
+            "it), a Lightning .ckpt, a .pt/.pth file or a .safetensors file."
         ),
     ],
     run: Annotated[str, typer.Option(help="Run to import into.")],
@@ -42,11 +42,11 @@ def import_cmd(
     root: RootOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Import an existing checkpoint as RUN@STEP (pickles load weights-only unless --trust)."""
-    from ..ops.migrate import import_checkpoint  # torch and safetensors load only when needed
+    """Import existing checkpoints as RUN@STEP (pickles load weights-only unless --trust)."""
+    from ..ops.migrate import import_checkpoints  # torch and safetensors load only when needed
 
     try:
-        report = import_checkpoint(
+        reports = import_checkpoints(
             _root(root),
             path,
             run=run,
@@ -59,18 +59,30 @@ def import_cmd(
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
     if as_json:
-        return _emit_json(report.to_json())
-    info = report.save
-    console.print(
-        f"imported {report.source} ({report.format}) as {report.run}@{report.step}: "
-        f"{report.tensors} tensors, {human_bytes(info.logical_bytes)} logical, "
-        f"{human_bytes(info.new_bytes)} new",
-        highlight=False,
-    )
-    console.print(
-        "  entries: " + ", ".join(f"{k} ({v})" for k, v in report.entries.items()),
-        highlight=False,
-    )
-    for fname, reason in report.skipped:
-        console.print(f"  skipped {fname}: {reason}", highlight=False)
+        # One checkpoint: its report; a Trainer output directory: the list of reports.
+        out = [r.to_json() for r in reports]
+        return _emit_json(out[0] if len(out) == 1 and not _is_run_dir(path) else out)
+    for report in reports:
+        info = report.save
+        console.print(
+            f"imported {report.source} ({report.format}) as {report.run}@{report.step}: "
+            f"{report.tensors} tensors, {human_bytes(info.logical_bytes)} logical, "
+            f"{human_bytes(info.new_bytes)} new",
+            highlight=False,
+        )
+        console.print(
+            "  entries: " + ", ".join(f"{k} ({v})" for k, v in report.entries.items()),
+            highlight=False,
+        )
+        for fname, reason in report.skipped:
+            console.print(f"  skipped {fname}: {reason}", highlight=False)
     return None
+
+
+def _is_run_dir(path: str) -> bool:
+    from ..ops.migrate import is_hf_checkpoint, hf_checkpoint_folders
+
+    try:
+        return not is_hf_checkpoint(path) and bool(hf_checkpoint_folders(path))
+    except OSError:
+        return False

@@ -555,17 +555,31 @@ def read_safetensors_file(path: str) -> ImportedState:
 # --------------------------------------------------------------------------- detection and commit
 
 
+def hf_checkpoint_folders(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """``(step, folder)`` of the ``checkpoint-N`` folders in a Trainer ``output_dir``, by step."""
+    found = []
+    for name in os.listdir(path):
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and os.path.isdir(os.path.join(path, name)):
+            found.append((int(m.group(1)), os.path.join(os.fspath(path), name)))
+    return sorted(found)
+
+
 def detect_format(path: str | os.PathLike[str]) -> str:
     """``hf`` for a folder with model weights, else by suffix (``.ckpt`` → ``lightning``,
     ``.safetensors``, ``.pt``/``.pth``/``.bin`` → ``torch``); a clear error otherwise."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        names = set(os.listdir(path))
-        if names & set(_HF_WEIGHTS) or "trainer_state.json" in names:
+        if is_hf_checkpoint(path):
             return "hf"
-        if ".metadata" in names:
+        if ".metadata" in os.listdir(path):
             raise StepvaultError(
                 f"{path}: a torch.distributed.checkpoint directory; use `stepvault import-dcp`"
+            )
+        if hf_checkpoint_folders(path):
+            raise StepvaultError(
+                f"{path}: a Trainer output directory holding checkpoint-N folders; import one "
+                "of them, or all with import_checkpoints (CLI: stepvault import DIR --run R)"
             )
         raise StepvaultError(
             f"{path}: a directory without model weights ({', '.join(_HF_WEIGHTS)}): not an "
@@ -681,3 +695,49 @@ def commit_imported(
         tensors=len(arrays),
         save=info,
     )
+
+
+def import_checkpoints(
+    root: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    run: str,
+    step: int | None = None,
+    format: str | None = None,
+    trust: bool = False,
+    codec: str | None = None,
+    overwrite: bool = False,
+) -> list[ImportReport]:
+    """Like :func:`import_checkpoint`, and a Trainer ``output_dir`` imports every
+    ``checkpoint-N`` folder in it, oldest first, as steps of ``run`` — chunks they share
+    (frozen layers, unchanged embeddings) are stored once.
+
+    Each folder is read completely before its checkpoint is written; if one fails, the
+    ones before it stay imported (and the error names the failing folder).
+    """
+    path = os.fspath(path)
+    folders = (
+        hf_checkpoint_folders(path)
+        if os.path.isdir(path) and format in (None, "hf") and not is_hf_checkpoint(path)
+        else []
+    )
+    if not folders:
+        kwargs = dict(run=run, step=step, format=format, trust=trust, codec=codec)
+        return [import_checkpoint(root, path, overwrite=overwrite, **kwargs)]
+    if step is not None:
+        raise StepvaultError(
+            f"{path}: holds {len(folders)} checkpoint folders; step= applies to one "
+            "checkpoint (import a single checkpoint-N folder to choose its step)"
+        )
+    return [
+        import_checkpoint(
+            root, folder, run=run, format="hf", trust=trust, codec=codec, overwrite=overwrite
+        )
+        for _, folder in folders
+    ]
+
+
+def is_hf_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether the folder ``path`` is one HF checkpoint (weights or trainer_state.json)."""
+    names = set(os.listdir(path))
+    return bool(names & set(_HF_WEIGHTS)) or "trainer_state.json" in names
