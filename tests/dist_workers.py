@@ -261,3 +261,31 @@ def task_rank1_killed_mid_save(rank, world, root, out):
     except BaseException as exc:
         with open(os.path.join(out, f"err{rank}.txt"), "w") as f:
             f.write(repr(exc))
+
+
+def task_fsdp_restore_audited(rank, world, root, out):
+    """Restore with an audit hook recording every class an unpickler resolves on this rank."""
+    import json
+    import sys
+
+    import stepvault
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = _fsdp_state(mesh)
+    seen: list[list[str]] = []
+    recording = [False]
+
+    def hook(event, args):
+        # (marshal is not recorded here: lazy imports of installed modules load .pyc files
+        # with marshal.loads; that is code the process already trusts, not stored data.)
+        if recording[0] and event == "pickle.find_class":
+            seen.append([str(args[0]), str(args[1])])
+
+    sys.addaudithook(hook)
+    dist.barrier()
+    recording[0] = True
+    info = stepvault.restore(root, state, run="f")
+    recording[0] = False
+    assert info.step == 3 and state["step"] == 3
+    with open(os.path.join(out, f"unpickled{rank}.json"), "w") as f:
+        json.dump(sorted({tuple(x) for x in seen}), f)

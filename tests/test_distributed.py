@@ -270,3 +270,38 @@ def test_export_from_a_multi_rank_checkpoint(fsdp_on_2, tmp_path):
     saved = _pt(ref / "saved.pt")
     assert set(weights) == {k[len("model.") :] for k in saved if k.startswith("model.")}
     assert all(torch.equal(weights[k], saved[f"model.{k}"]) for k in weights)
+
+
+def test_multi_rank_restore_unpickles_nothing_from_the_store(fsdp_on_2, tmp_path):
+    """No pickle, multi-rank. DCP's collectives exchange *planning* objects between the ranks
+    of one job in memory (pickled by torch.distributed's object collectives); those are
+    recorded by an audit hook on every rank and must be DCP plan/metadata classes only.
+    Nothing read from the store is ever unpickled: a single process reading the same
+    checkpoint resolves no class at all, and the stored files contain no pickle opcodes."""
+    root, _ = fsdp_on_2
+    _spawn(2, "fsdp_restore_audited", root, tmp_path)
+    allowed_modules = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
+    allowed = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "slice")}
+    for rank in range(2):
+        seen = {tuple(x) for x in json.loads((tmp_path / f"unpickled{rank}.json").read_text())}
+        assert seen, "the hook saw nothing: DCP's planning collectives should show up"
+        stray = {
+            (m, n) for m, n in seen if not m.startswith(allowed_modules) and (m, n) not in allowed
+        }
+        assert not stray, f"rank {rank} unpickled unexpected classes: {sorted(stray)}"
+        assert not any(m.startswith("stepvault") for m, _ in seen)
+
+    import sys
+
+    recorded: list = []
+    on = [True]
+    sys.addaudithook(lambda e, a: recorded.append(a) if on[0] and e == "pickle.find_class" else 0)
+    try:
+        full = stepvault.open(root).checkpoint("f").load()
+    finally:
+        on[0] = False
+    assert full["step"] == 3 and not recorded
+    for path in Path(root).rglob("*"):  # pickle protocol 2+ streams start with 0x80 <proto>
+        if path.is_file():
+            head = path.read_bytes()[:2]
+            assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
