@@ -1,0 +1,83 @@
+"""Helpers shared by the trainer-integration tests: damage a checkpoint, run an example,
+kill it with SIGKILL in the middle of training and resume it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import stepvault
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def damage_newest(root, run: str) -> int:
+    """Flip a byte in an object only the newest checkpoint of ``run`` uses; its step."""
+    vault = stepvault.open(root)
+    steps = vault.steps(run)
+    newest = steps[-1]
+    older = set()
+    for step in steps[:-1]:
+        older |= set(vault.manifest(run, step).objects)
+    only = sorted(set(vault.manifest(run, newest).objects) - older)
+    assert only, "the newest checkpoint shares every object with older ones"
+    path = os.path.join(root, "objects", only[0][:2], only[0])
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x01]))
+    return newest
+
+
+def run_example(script: str, *args: str, timeout: float = 300) -> str:
+    """Run ``examples/<script>`` to completion; its stdout (fails on a non-zero exit)."""
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout
+
+
+def final_digest(stdout: str) -> str:
+    return next(line.split()[1] for line in stdout.splitlines() if line.startswith("FINAL"))
+
+
+def kill_when_saved(
+    script: str, root, run: str, *args: str, min_step: int, timeout: float = 240
+) -> list[int]:
+    """Start the example, SIGKILL it once ``run`` has a checkpoint at ``min_step`` or later;
+    returns the committed steps seen after the kill."""
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / script), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"{script} ended before it was killed: {proc.stderr.read()}")
+            try:
+                steps = stepvault.open(root).steps(run)
+            except stepvault.StepvaultError:
+                steps = []
+            if steps and steps[-1] >= min_step:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"{script} wrote no checkpoint at step >= {min_step} in time")
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    return stepvault.open(root).steps(run)

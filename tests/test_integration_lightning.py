@@ -1,0 +1,187 @@
+"""PyTorch Lightning integration, tested with a real Trainer on a tiny model (CPU)."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import sys
+import warnings
+
+import pytest
+
+pl = pytest.importorskip("lightning.pytorch")
+stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+import torch  # noqa: E402
+from integration_util import (  # noqa: E402
+    damage_newest,
+    final_digest,
+    kill_when_saved,
+    run_example,
+)
+from torch.utils.data import TensorDataset  # noqa: E402
+
+import stepvault  # noqa: E402
+from stepvault import Every, KeepLast  # noqa: E402
+from stepvault.integrations.lightning import StepvaultCheckpoint  # noqa: E402
+from stepvault.ops.export import weight_tensors  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr: float = 0.05, extra=None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self.net(x) - y) ** 2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", ((self.net(x) - y) ** 2).mean())
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3)}
+
+
+class StopAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def _loader():
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
+    return stateful.StatefulDataLoader(ds, batch_size=4, shuffle=True)
+
+
+def _fit(root, *, stop=None, resume=False, save=None, keep=None, model=None, **kw):
+    pl.seed_everything(1, verbose=False)
+    ckpt = StepvaultCheckpoint(
+        root, run="r", save=save or Every(steps=7), keep=keep or KeepLast(2), **kw
+    )
+    trainer = pl.Trainer(
+        max_steps=25,
+        callbacks=[ckpt] + ([StopAt(stop)] if stop else []),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+    model = model or Tiny()
+    trainer.fit(model, _loader(), ckpt_path=ckpt.resume_path if resume else None)
+    return model, ckpt
+
+
+def _same(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_stop_and_resume_mid_epoch_is_bitwise_equal(tmp_path):
+    reference, _ = _fit(tmp_path / "ref")
+    _, first = _fit(tmp_path / "s", stop=16)
+    assert first.resume_path == "stepvault:latest"
+    assert stepvault.open(tmp_path / "s").steps("r") == [7, 14]  # mid-epoch (10 batches/epoch)
+    resumed, ckpt = _fit(tmp_path / "s", resume=True)
+    assert ckpt.last_restore.step == 14 and not ckpt.last_restore.skipped
+    assert _same(reference, resumed)
+    # KeepLast(2) ran after every save; the metrics Lightning logged are in the manifest.
+    vault = stepvault.open(tmp_path / "s")
+    assert vault.steps("r") == [14, 21]
+    summary = vault.checkpoints("r")[-1]
+    assert "train_loss" in summary.metrics
+    assert vault.checkpoint("r", 21).metadata["framework"] == "lightning"
+    # The weights are the checkpoint's module: what `stepvault export` writes.
+    exported = dict(weight_tensors(vault, "r", 21, None))
+    assert sorted(exported) == sorted(resumed.state_dict())
+
+
+def test_resume_skips_a_damaged_checkpoint(tmp_path):
+    _fit(tmp_path, stop=14)
+    assert damage_newest(tmp_path, "r") == 14
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, ckpt = _fit(tmp_path, resume=True)
+    info = ckpt.last_restore
+    assert info.step == 7 and [s.step for s in info.skipped] == [14]
+    assert any("skipped damaged checkpoint r@14" in str(w.message) for w in caught)
+    assert stepvault.open(tmp_path).steps("r")[-1] == 21  # training went on from step 7
+
+
+def test_unencodable_hyperparameter_fails_with_its_key(tmp_path):
+    with pytest.raises(stepvault.UnsupportedTypeError, match=r"hyper_parameters.*'extra'"):
+        _fit(tmp_path, model=Tiny(extra=pathlib.Path("/data")))
+    assert stepvault.open(tmp_path).steps("r") == []  # nothing half-saved
+
+
+def test_unencodable_hyperparameter_stored_as_repr_when_asked(tmp_path):
+    with pytest.warns(RuntimeWarning, match="hyper_parameters\\['extra'\\]"):
+        _fit(tmp_path, stop=7, model=Tiny(extra=pathlib.Path("/data")), unsupported_hparams="str")
+    ckpt = StepvaultCheckpoint(tmp_path, run="r")
+    loaded = ckpt.load("latest")  # read-only: no Trainer, no lease
+    assert loaded["hyper_parameters"]["extra"] == repr(pathlib.Path("/data"))
+    assert loaded["global_step"] == 7 and "net.0.weight" in loaded["state_dict"]
+
+
+def test_weights_only_policy_and_ckpt_path_best(tmp_path):
+    from stepvault import KeepBest
+
+    save = Every(steps=5, what="weights") | Every(steps=10)
+    keep = KeepBest(1, metric="train_loss") | KeepLast(10)
+    _fit(tmp_path, save=save, keep=keep)
+    summaries = stepvault.open(tmp_path).checkpoints("r")
+    assert {c.step: c.kind for c in summaries} == {
+        5: "weights", 10: "full", 15: "weights", 20: "full", 25: "weights"
+    }
+    best = min(summaries, key=lambda c: (c.metrics["train_loss"], -c.step)).step
+    # ckpt_path="best" is Lightning's own special value; it resolves through the callback
+    # (read-only: validate takes no lease and writes nothing).
+    ckpt = StepvaultCheckpoint(tmp_path, run="r", keep=KeepBest(1, metric="train_loss"))
+    assert ckpt.best_model_path == "stepvault:best"
+    trainer = pl.Trainer(callbacks=[ckpt], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    model = Tiny()
+    trainer.validate(model, _loader(), ckpt_path="best", verbose=False)
+    assert ckpt.last_restore.step == best
+    stored = stepvault.open(tmp_path).checkpoint("r", best).tensor("model/net.0.weight")
+    assert torch.equal(model.net[0].weight, stored)
+    assert stepvault.open(tmp_path).steps("r") == [5, 10, 15, 20, 25]
+
+
+def test_import_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning", None)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
+    monkeypatch.delitem(sys.modules, "stepvault.integrations.lightning")
+    with pytest.raises(ImportError, match=r'pip install "stepvault\[lightning\]"'):
+        importlib.import_module("stepvault.integrations.lightning")
+
+
+@pytest.mark.slow
+def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
+    args = ["--run", "lit", "--max-steps", "60", "--save-every", "10"]
+    out = run_example("lightning_train.py", "--root", str(tmp_path / "a"), *args)
+    reference = final_digest(out)
+    root = tmp_path / "b"
+    steps = kill_when_saved(
+        "lightning_train.py", root, "lit", "--root", str(root), *args, "--step-sleep", "0.05",
+        min_step=30,
+    )
+    assert steps and steps[-1] < 60
+    out = run_example("lightning_train.py", "--root", str(root), *args)
+    assert f"RESUMED {steps[-1]}" in out
+    assert final_digest(out) == reference
+    assert stepvault.verify(root, deep=True).ok
