@@ -413,9 +413,8 @@ def test_hf_rng_layout_conversion_rejects_foreign_layouts():
 def test_hf_sharded_safetensors_and_sharded_bin(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16, tie_word_embeddings=False
-    )
+    # Tied embeddings (GPT-2's default): save_pretrained writes the shared tensor once.
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     st_dir = tmp_path / "checkpoint-7"
     model.save_pretrained(st_dir, max_shard_size="4KB")
@@ -425,8 +424,14 @@ def test_hf_sharded_safetensors_and_sharded_bin(tmp_path):
     report = import_checkpoint(root, st_dir, run="sharded")
     assert report.step == 7  # from the folder name (no trainer_state.json)
     tree = stepvault.open(root).checkpoint("sharded@7").load()
-    assert set(tree["model"]) <= set(expected)
+    assert set(tree["model"]) == set(expected) - {"lm_head.weight"}
     assert all(torch.equal(tree["model"][k], expected[k]) for k in tree["model"])
+    # As documented: strict=False restores a tied model whole (the tie supplies lm_head).
+    fresh = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(stepvault.StateMismatchError, match=r"lm_head\.weight"):
+        stepvault.restore(root, {"model": fresh}, run="sharded")
+    stepvault.restore(root, {"model": fresh}, run="sharded", strict=False)
+    assert_same(expected, dict(fresh.state_dict()))
 
     # The old pytorch_model.bin layout: torch.save shards plus an index.
     bin_dir = tmp_path / "checkpoint-9"
