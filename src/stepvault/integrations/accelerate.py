@@ -1,0 +1,235 @@
+"""Hugging Face Accelerate: ``save_state``/``load_state`` of an ``Accelerator`` through stepvault.
+
+::
+
+    from accelerate import Accelerator
+    from stepvault import Every, KeepLast
+    from stepvault.integrations.accelerate import AcceleratorCheckpointer
+
+    accelerator = Accelerator()
+    model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    progress = {"epoch": 0}
+    ckpt = AcceleratorCheckpointer(accelerator, "ckpts", run="exp1", extra=progress,
+                                   save=Every(steps=500), keep=KeepLast(3))
+    ckpt.restore()                        # newest checkpoint that verifies; None when fresh
+    for step in ...:
+        ...
+        ckpt.save(step + 1)               # the policy decides; async by default
+    ckpt.close()
+
+or, one checkpoint at a time, the equivalents of ``accelerator.save_state(dir)`` /
+``accelerator.load_state(dir)``::
+
+    save_state(accelerator, "ckpts", run="exp1", step=step)
+    load_state(accelerator, "ckpts", run="exp1")            # newest that verifies
+
+What is saved is what ``Accelerator.save_state`` saves — every prepared model (unwrapped),
+optimizer and scheduler, the ``GradScaler``, the state of stateful data loaders
+(``DataLoaderConfiguration(use_stateful_dataloader=True)``), the RNGs (Python, numpy,
+torch, CUDA), ``accelerator.step`` and each object registered with
+``accelerator.register_for_checkpointing`` — as one verified, pickle-free checkpoint,
+plus the ``extra`` values you pass. Accelerate's own ``register_save_state_pre_hook`` /
+``register_load_state_pre_hook`` only change how model weights are written next to
+pickled optimizer and RNG files in a folder, so they are not used (and not called).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Literal
+
+from ._common import missing_framework
+
+try:
+    import accelerate
+    from accelerate import Accelerator
+except ImportError as exc:
+    raise ImportError(
+        missing_framework("accelerate", "Hugging Face Accelerate", "accelerate")
+    ) from exc
+
+from .. import __version__
+from ..api import RestoreInfo, restore, save
+from ..manager import CheckpointManager, SaveHandle
+from ..policy import KeepPolicy, SavePolicy
+from ..state import RNGState
+
+__all__ = ["AcceleratorCheckpointer", "accelerator_state", "load_state", "save_state"]
+
+#: Key of ``accelerator.step`` (the gradient-accumulation step counter) in a checkpoint.
+STEP_KEY = "accelerate_step"
+
+
+def _name(kind: str, i: int) -> str:
+    return kind if i == 0 else f"{kind}_{i}"
+
+
+def accelerator_state(
+    accelerator: Accelerator, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The stepvault state of everything ``accelerator.save_state`` would save.
+
+    Keys: ``model``, ``optimizer``, ``scheduler`` (``model_1``... for the second and later
+    ones), ``dataloader``... (stateful data loaders only), ``scaler``, ``rng``,
+    ``accelerate_step``, ``custom_0``... (``register_for_checkpointing``), then ``extra``.
+    """
+    state: dict[str, Any] = {}
+    for i, model in enumerate(accelerator._models):
+        # Unwrapped, so that keys have no "module." prefix and the checkpoint loads (and
+        # exports) the same whatever wrapper the next run uses.
+        state[_name("model", i)] = accelerator.unwrap_model(model)
+    for i, opt in enumerate(accelerator._optimizers):
+        state[_name("optimizer", i)] = opt
+    for i, sched in enumerate(accelerator._schedulers):
+        state[_name("scheduler", i)] = sched
+    stateful = [dl for dl in accelerator._dataloaders if getattr(dl, "use_stateful_dataloader", 0)]
+    for i, loader in enumerate(stateful):
+        state[_name("dataloader", i)] = loader
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler
+    state["rng"] = RNGState()
+    state[STEP_KEY] = int(accelerator.step)
+    for i, obj in enumerate(accelerator._custom_objects):
+        state[f"custom_{i}"] = obj
+    for key, value in (extra or {}).items():
+        if key in state:
+            raise ValueError(f"extra key {key!r} clashes with the accelerator's own {key!r}")
+        state[key] = value
+    return state
+
+
+def _metadata() -> dict[str, Any]:
+    return {
+        "framework": "accelerate",
+        "accelerate_version": accelerate.__version__,
+        "stepvault_version": __version__,
+    }
+
+
+def _apply_values(
+    accelerator: Accelerator, state: Mapping[str, Any], extra: MutableMapping[str, Any] | None
+) -> None:
+    """Plain values come back in ``state``; put them where they live."""
+    accelerator.step = int(state[STEP_KEY])
+    if extra is not None:
+        for key in extra:
+            extra[key] = state[key]
+
+
+def save_state(
+    accelerator: Accelerator,
+    root: str | os.PathLike[str],
+    *,
+    run: str,
+    step: int,
+    extra: Mapping[str, Any] | None = None,
+    **save_options: Any,
+) -> Any:
+    """``accelerator.save_state`` into checkpoint ``run@step`` of the store at ``root``.
+
+    ``extra``: more values or stateful objects to save with it (e.g. ``{"epoch": 3}``).
+    ``save_options`` go to :func:`stepvault.save` (``metrics``, ``codec``, ``overwrite``,
+    ...). Returns its :class:`~stepvault.SaveInfo`.
+    """
+    save_options.setdefault("metadata", _metadata())
+    return save(root, accelerator_state(accelerator, extra), run=run, step=step, **save_options)
+
+
+def load_state(
+    accelerator: Accelerator,
+    root: str | os.PathLike[str],
+    *,
+    run: str,
+    step: int | Literal["latest"] = "latest",
+    extra: MutableMapping[str, Any] | None = None,
+    strict: bool = True,
+    missing_ok: bool = False,
+) -> RestoreInfo | None:
+    """``accelerator.load_state`` from the store: the newest checkpoint that verifies
+    (``step="latest"``, falling back past damaged ones) or exactly ``step``.
+
+    Everything is read and verified, and checked against the live objects, before
+    anything changes. The plain values of ``extra`` are replaced in that dict. Returns
+    None when the run has no checkpoint and ``missing_ok``.
+    """
+    state = accelerator_state(accelerator, extra)
+    info = restore(root, state, run=run, step=step, strict=strict, missing_ok=missing_ok)
+    if info is not None:
+        _apply_values(accelerator, state, extra)
+    return info
+
+
+class AcceleratorCheckpointer:
+    """A :class:`~stepvault.CheckpointManager` for an ``Accelerator``: save/keep policies,
+    asynchronous saves, retention, resume from the newest checkpoint that verifies.
+
+    ``extra`` is a dict of values and stateful objects saved with the accelerator's state;
+    :meth:`restore` writes the restored plain values back into it. ``manager_options`` go
+    to :class:`~stepvault.CheckpointManager` (``if_busy``, ``codec``, ``best_metric``...).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        root: str | os.PathLike[str],
+        *,
+        run: str,
+        save: SavePolicy | None = None,
+        keep: KeepPolicy | None = None,
+        async_save: bool = True,
+        extra: MutableMapping[str, Any] | None = None,
+        **manager_options: Any,
+    ) -> None:
+        self.accelerator = accelerator
+        self.extra = extra
+        self.manager = CheckpointManager(
+            root, run, save=save, keep=keep, async_save=async_save, **manager_options
+        )
+
+    def restore(
+        self, step: int | Literal["latest", "best"] = "latest", *, strict: bool = True
+    ) -> RestoreInfo | None:
+        """Load the newest full checkpoint that verifies (or ``"best"``, or exactly an int
+        step) into the accelerator's objects; None on a fresh start."""
+        state = accelerator_state(self.accelerator, self.extra)
+        info = self.manager.restore(state, step, strict=strict)
+        if info is not None:
+            _apply_values(self.accelerator, state, self.extra)
+        return info
+
+    def should_save(self, step: int, epoch: int | None = None) -> bool:
+        return self.manager.should_save(step, epoch)
+
+    def save(
+        self,
+        step: int,
+        *,
+        epoch: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> SaveHandle | None:
+        """Save at this step boundary if the policy says so (always with ``force``).
+
+        Call it after the optimizer step, outside ``accelerator.accumulate`` (a save in the
+        middle of an accumulation would not hold the accumulated gradients).
+        """
+        if self.manager.should_save(step, epoch) or force:
+            state = accelerator_state(self.accelerator, self.extra)
+            return self.manager.save(
+                step, state, epoch=epoch, metrics=metrics, metadata=_metadata(), force=force
+            )
+        return None
+
+    def wait(self) -> Any:
+        return self.manager.wait()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def __enter__(self) -> AcceleratorCheckpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.manager.__exit__(exc_type, exc, tb)
+

@@ -1,0 +1,334 @@
+"""Hugging Face Transformers: a ``Trainer`` whose checkpoints live in a stepvault store.
+
+::
+
+    from stepvault import Every, KeepLast
+    from stepvault.integrations.transformers import StepvaultCallback, StepvaultTrainer
+
+    ckpt = StepvaultCallback("ckpts", run="gpt2-tiny", save=Every(steps=200), keep=KeepLast(3))
+    trainer = StepvaultTrainer(model=model, args=args, train_dataset=ds, callbacks=[ckpt])
+    trainer.train(resume_from_checkpoint=ckpt.has_checkpoint)   # newest checkpoint that verifies
+
+``StepvaultCallback`` holds the :class:`~stepvault.CheckpointManager` and decides *when*:
+with ``save=`` its policy replaces ``save_strategy``/``save_steps`` (it sets
+``control.should_save`` at each step and epoch end); without, the Trainer's own
+``save_strategy`` decides. ``StepvaultTrainer`` (or :class:`StepvaultTrainerMixin` mixed
+into your own ``Trainer`` subclass, first in the bases) does the *how*: it overrides the
+Trainer's checkpoint hooks so that a save writes the model, optimizer, scheduler, grad
+scaler, RNGs (Python, numpy, torch, CUDA) and the ``TrainerState`` (step, epoch, log
+history, best metric, stateful callbacks) as one stepvault checkpoint instead of a
+``checkpoint-N`` folder of pickles, and ``train(resume_from_checkpoint=True)`` loads the
+newest checkpoint that verifies (an int: exactly that step; a path string: an ordinary
+``checkpoint-N`` folder, loaded by the Trainer as usual).
+
+Hooks overridden (Transformers 5.x): ``_save_checkpoint``, ``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``, and ``train`` (to
+pick the checkpoint). Single process only for now (no DeepSpeed/FSDP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Any
+
+from ._common import finite_metrics, has_full_checkpoint, missing_framework
+
+try:
+    import transformers
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_callback import ExportableState
+except ImportError as exc:
+    raise ImportError(
+        missing_framework("transformers", "Hugging Face Transformers", "transformers")
+    ) from exc
+
+from .. import __version__
+from ..api import RestoreInfo
+from ..errors import StepvaultError
+from ..manager import CheckpointManager
+from ..policy import KeepPolicy, SavePolicy
+from ..state import RNGState
+
+__all__ = ["StepvaultCallback", "StepvaultTrainer", "StepvaultTrainerMixin"]
+
+#: The file the Trainer reads its state from when resuming (the only file we write).
+_TRAINER_STATE_NAME = "trainer_state.json"
+_KEYS = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_state")
+
+
+class StepvaultCallback(TrainerCallback):
+    """When to save, and the manager that saves; use it with :class:`StepvaultTrainer`.
+
+    Parameters:
+        root: the store (a directory or fsspec URL; created when absent).
+        run: run name in the store.
+        save: save policy asked at every optimizer step and epoch end (its epoch is the
+            number of completed epochs). None: the Trainer's ``save_strategy`` decides.
+        keep: keep policy applied after each save (replaces ``save_total_limit``).
+        async_save: write in the background; training waits only for the copy of the
+            tensors into reusable host buffers.
+        manager_options: passed to :class:`~stepvault.CheckpointManager` (``if_busy``,
+            ``codec``, ``best_metric``, ``best_mode``, ``on_save_error``, ...).
+
+    The metrics of a checkpoint are the finite numbers logged at its step (``loss``,
+    ``learning_rate``, ``eval_loss``...), so ``KeepBest(2, metric="eval_loss")`` works.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        run: str,
+        save: SavePolicy | None = None,
+        keep: KeepPolicy | None = None,
+        async_save: bool = True,
+        **manager_options: Any,
+    ) -> None:
+        self.root = root
+        self.run = run
+        self.save_policy = save
+        self.keep_policy = keep
+        self.async_save = async_save
+        self.manager_options = manager_options
+        self.manager: CheckpointManager | None = None
+        self.last_restore: RestoreInfo | None = None
+
+    @property
+    def has_checkpoint(self) -> bool:
+        """Whether the run has a full checkpoint to resume from (valid or not: which one
+        verifies is decided when it is loaded)."""
+        return has_full_checkpoint(self.root, self.run)
+
+    def open(self, total_steps: int | None = None) -> CheckpointManager:
+        """The manager (created, and the run's lease taken, on first use)."""
+        if self.manager is None:
+            options = dict(self.manager_options)
+            if total_steps:
+                options.setdefault("total_steps", total_steps)
+            self.manager = CheckpointManager(
+                self.root,
+                self.run,
+                save=self.save_policy,
+                keep=self.keep_policy,
+                async_save=self.async_save,
+                **options,
+            )
+        return self.manager
+
+    def close(self, *, quiet: bool = False) -> None:
+        """Wait for the save in flight and release the run (done at the end of ``train``)."""
+        mgr, self.manager = self.manager, None
+        if mgr is None:
+            return
+        try:
+            mgr.close()
+        except BaseException:
+            if not quiet:
+                raise
+
+    # ---------------------------------------------------------------- Trainer events
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.open(state.max_steps or None)
+
+    def _decide(self, state, control) -> None:
+        if self.save_policy is None:
+            return  # the Trainer's save_strategy decides
+        epoch = math.floor(state.epoch) if state.epoch is not None else None
+        control.should_save = self.open().should_save(state.global_step, epoch)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._decide(state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._decide(state, control)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.manager is not None:
+            self.manager.wait()  # the last save is committed when train() returns
+
+
+def _step_metrics(log_history: list[dict[str, Any]], step: int) -> dict[str, float]:
+    merged: dict[str, Any] = {}
+    for entry in log_history:
+        if entry.get("step") == step:
+            merged.update(entry)
+    merged.pop("step", None)
+    merged.pop("epoch", None)
+    return finite_metrics(merged)
+
+
+class StepvaultTrainerMixin:
+    """Trainer hooks that save to and resume from a stepvault store.
+
+    Mix it in *before* ``Trainer`` (or a Trainer subclass such as TRL's):
+    ``class MyTrainer(StepvaultTrainerMixin, SFTTrainer): ...``; pass a
+    :class:`StepvaultCallback` in ``callbacks``.
+    """
+
+    _stepvault_resume: tuple[str, dict[str, Any]] | None = None
+
+    def _stepvault_callback(self) -> StepvaultCallback:
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, StepvaultCallback):
+                return cb
+        raise StepvaultError(
+            f"{type(self).__name__} needs a StepvaultCallback in callbacks=[...] (it names "
+            "the store, the run and the policies)"
+        )
+
+    def _stepvault_check(self) -> None:
+        args = self.args
+        if args.world_size > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise StepvaultError(
+                "the stepvault Trainer integration supports single-process training for "
+                "now (no DDP/DeepSpeed/FSDP); see INTEGRATIONS.md"
+            )
+        if args.load_best_model_at_end:
+            raise StepvaultError(
+                "load_best_model_at_end reads checkpoint-N folders, which this Trainer does "
+                "not write; keep the best with keep=KeepBest(...) and load it with "
+                "StepvaultCallback(...).manager.restore(state, 'best')"
+            )
+
+    # ------------------------------------------------------------------------ train
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, **kwargs: Any):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest
+        stepvault checkpoint that verifies, an int from exactly that step; a string is an
+        ordinary checkpoint folder (loaded by the Trainer as usual)."""
+        cb = self._stepvault_callback()
+        self._stepvault_check()
+        scratch = None
+        try:
+            exact = type(resume_from_checkpoint) is int
+            if resume_from_checkpoint is True or exact:
+                step = "latest" if resume_from_checkpoint is True else resume_from_checkpoint
+                scratch = self._stepvault_prepare_resume(cb, step)
+                resume_from_checkpoint = scratch
+            result = super().train(
+                resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs
+            )
+        except BaseException:
+            cb.close(quiet=True)
+            raise
+        finally:
+            self._stepvault_resume = None
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        cb.close()
+        return result
+
+    def _stepvault_prepare_resume(self, cb: StepvaultCallback, step: Any) -> str:
+        """Load the checkpoint (verified; the model in place, the rest kept for the hooks)
+        and write the one file the Trainer insists on reading: ``trainer_state.json``."""
+        mgr = cb.open()
+        holder: dict[str, Any] = dict.fromkeys(_KEYS)
+        holder["model"] = self.model
+        info = mgr.restore(holder, step)
+        if info is None:
+            raise ValueError(
+                f"No valid checkpoint found in stepvault run {cb.run!r} of {cb.root} "
+                "(resume_from_checkpoint=ckpt.has_checkpoint starts fresh when there is none)"
+            )
+        cb.last_restore = info
+        for skipped in info.skipped:
+            warnings.warn(
+                f"stepvault: skipped damaged checkpoint {cb.run}@{skipped.step}: "
+                f"{skipped.reason}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        scratch = tempfile.mkdtemp(prefix="stepvault-resume-")
+        with open(os.path.join(scratch, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            json.dump(holder["trainer_state"], f)
+        self._stepvault_resume = (scratch, holder)
+        return scratch
+
+    def _stepvault_restored(self, checkpoint: Any) -> dict[str, Any] | None:
+        resume = self._stepvault_resume
+        if resume is not None and checkpoint == resume[0]:
+            return resume[1]
+        return None
+
+    # ------------------------------------------------------------------ load hooks
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._stepvault_restored(resume_from_checkpoint) is not None:
+            return  # the model was restored in place (verified) by train()
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        tree = self._stepvault_restored(checkpoint)
+        if tree is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.optimizer.load_state_dict(tree["optimizer"])
+        self.lr_scheduler.load_state_dict(tree["scheduler"])
+
+    def _load_scaler(self, checkpoint: Any) -> None:
+        tree = self._stepvault_restored(checkpoint)
+        if tree is None:
+            return super()._load_scaler(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and tree.get("scaler") is not None:
+            scaler.load_state_dict(tree["scaler"])
+
+    def _load_rng_state(self, checkpoint: Any) -> None:
+        tree = self._stepvault_restored(checkpoint)
+        if tree is None:
+            return super()._load_rng_state(checkpoint)
+        RNGState().load_state_dict(tree["rng"])
+
+    # ------------------------------------------------------------------ save hook
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        cb = self._stepvault_callback()
+        mgr = cb.open()
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        # What Trainer._save_checkpoint does before writing the state: record the state of
+        # the ExportableState callbacks (early stopping...) and of TrainerControl.
+        for obj in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(obj, ExportableState):
+                name = obj.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(obj.state())
+                else:
+                    self.state.stateful_callbacks[name] = obj.state()
+        scaler = getattr(self.accelerator, "scaler", None)
+        state = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.lr_scheduler,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": RNGState(),
+            # The JSON that TrainerState.save_to_json writes, as plain values.
+            "trainer_state": json.loads(json.dumps(dataclasses.asdict(self.state))),
+        }
+        config = getattr(self.model, "config", None)
+        metadata = {
+            "framework": "transformers",
+            "transformers_version": transformers.__version__,
+            "stepvault_version": __version__,
+            "model_class": type(self.model).__name__,
+            "model_config": json.loads(config.to_json_string()) if config is not None else None,
+        }
+        step = self.state.global_step
+        epoch = math.floor(self.state.epoch) if self.state.epoch is not None else None
+        mgr.save(
+            step,
+            state,
+            epoch=epoch,
+            metrics=_step_metrics(self.state.log_history, step),
+            metadata=metadata,
+            # Without a save policy the Trainer's save_strategy decided: always save.
+            force=cb.save_policy is None,
+            kind="weights" if self.args.save_only_model else None,
+        )
+
+
+class StepvaultTrainer(StepvaultTrainerMixin, Trainer):
+    """``transformers.Trainer`` with its checkpoints in a stepvault store (see the module
+    docstring); pass a :class:`StepvaultCallback` in ``callbacks``."""

@@ -1,0 +1,151 @@
+"""Accelerate integration, tested with a real Accelerator on CPU."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+accelerate = pytest.importorskip("accelerate")
+pytest.importorskip("torchdata.stateful_dataloader")
+
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration  # noqa: E402
+from integration_util import (  # noqa: E402
+    damage_newest,
+    final_digest,
+    kill_when_saved,
+    run_example,
+)
+
+import stepvault  # noqa: E402
+from stepvault import Every, KeepLast  # noqa: E402
+from stepvault.integrations.accelerate import (  # noqa: E402
+    AcceleratorCheckpointer,
+    load_state,
+    save_state,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _setup():
+    torch.manual_seed(0)
+    acc = Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=2,
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+    )
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(
+        torch.randn(48, 4, generator=g), torch.randn(48, 1, generator=g)
+    )
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, generator=torch.Generator())
+    return (acc, *acc.prepare(model, opt, sched, loader))
+
+
+def _train(root, *, stop=None, total=20):
+    acc, model, opt, sched, loader = _setup()
+    progress = {"epoch": 0, "step": 0}
+    ckpt = AcceleratorCheckpointer(
+        acc, root, run="r", save=Every(steps=4), keep=KeepLast(2), extra=progress
+    )
+    info = ckpt.restore()
+    while progress["step"] < total:
+        for x, y in loader:
+            with acc.accumulate(model):
+                loss = ((model(x) - y) ** 2).mean()
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            if acc.sync_gradients:
+                progress["step"] += 1
+                ckpt.save(progress["step"], metrics={"loss": loss})
+                if progress["step"] in (stop, total):
+                    break
+        else:
+            progress["epoch"] += 1
+        if progress["step"] == stop:
+            break
+    ckpt.close()
+    return model, info, progress
+
+
+def _same(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_checkpointer_stop_and_resume_is_bitwise_equal(tmp_path):
+    reference, _, _ = _train(tmp_path / "ref")
+    _, _, progress = _train(tmp_path / "s", stop=9)
+    assert progress == {"epoch": 1, "step": 9}
+    assert stepvault.open(tmp_path / "s").steps("r") == [4, 8]
+    resumed, info, progress = _train(tmp_path / "s")
+    assert info.step == 8
+    assert _same(reference, resumed)
+    assert progress["step"] == 20
+    assert stepvault.open(tmp_path / "s").steps("r") == [16, 20]
+    assert "loss" in stepvault.open(tmp_path / "s").checkpoints("r")[-1].metrics
+
+
+def test_save_state_load_state_round_trip_and_fallback(tmp_path):
+    acc, model, opt, sched, loader = _setup()
+    x, y = next(iter(loader))
+    for step in (1, 2):
+        with acc.accumulate(model):
+            acc.backward(((model(x) - y) ** 2).mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        save_state(acc, tmp_path, run="r", step=step, extra={"epoch": step * 10})
+    names = set(stepvault.open(tmp_path).checkpoint("r", 2).manifest.state_kinds)
+    assert {"model", "optimizer", "scheduler", "dataloader", "rng", "accelerate_step"} <= names
+    saved = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    saved_step = acc.step
+
+    acc2, model2, opt2, sched2, _ = _setup()
+    extra = {"epoch": 0}
+    info = load_state(acc2, tmp_path, run="r", extra=extra)
+    assert info.step == 2 and extra == {"epoch": 20} and acc2.step == saved_step
+    assert all(torch.equal(v, saved[k]) for k, v in acc2.unwrap_model(model2).state_dict().items())
+    assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    assert sched2.state_dict() == sched.state_dict()
+
+    damage_newest(tmp_path, "r")
+    acc3, *_ = _setup()
+    extra = {"epoch": 0}
+    info = load_state(acc3, tmp_path, run="r", extra=extra)
+    assert info.step == 1 and [s.step for s in info.skipped] == [2] and extra == {"epoch": 10}
+
+
+def test_import_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    monkeypatch.delitem(sys.modules, "stepvault.integrations.accelerate")
+    with pytest.raises(ImportError, match=r'pip install "stepvault\[accelerate\]"'):
+        importlib.import_module("stepvault.integrations.accelerate")
+
+
+@pytest.mark.slow
+def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
+    args = ["--run", "acc", "--steps", "60", "--save-every", "10"]
+    out = run_example("accelerate_train.py", "--root", str(tmp_path / "a"), *args)
+    reference = final_digest(out)
+    root = tmp_path / "b"
+    steps = kill_when_saved(
+        "accelerate_train.py", root, "acc", "--root", str(root), *args, "--step-sleep", "0.05",
+        min_step=30,
+    )
+    assert steps and steps[-1] < 60
+    out = run_example("accelerate_train.py", "--root", str(root), *args)
+    assert f"RESUMED {steps[-1]}" in out
+    assert final_digest(out) == reference
+    assert stepvault.verify(root, deep=True).ok
