@@ -457,6 +457,46 @@ def test_hf_sharded_safetensors_and_sharded_bin(tmp_path):
     assert stepvault.open(root).steps("bin") == [9]
 
 
+def test_peft_adapter_folder_and_duplicate_weight_layouts(tmp_path):
+    # What a Trainer writes for a LoRA model: adapter weights, adapter config, optimizer state
+    # of the adapter's parameters.
+    lora = torch.nn.ParameterDict(
+        {"a": torch.nn.Parameter(torch.randn(4, 16)), "b": torch.nn.Parameter(torch.zeros(16, 4))}
+    )
+    opt = torch.optim.AdamW(lora.parameters())
+    (lora["a"].sum() + lora["b"].sum()).backward()
+    opt.step()
+    folder = tmp_path / "checkpoint-30"
+    folder.mkdir()
+    adapter = {
+        "base_model.model.q_proj.lora_A.weight": lora["a"].detach().clone(),
+        "base_model.model.q_proj.lora_B.weight": lora["b"].detach().clone(),
+    }
+    save_file(adapter, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    torch.save(opt.state_dict(), folder / "optimizer.pt")
+    (folder / "tokenizer.json").write_text("{}")
+    root = tmp_path / "store"
+    report = import_checkpoint(root, folder, run="lora")
+    assert report.step == 30 and report.entries == {"adapter": "module", "optimizer": "optimizer"}
+    assert dict(report.skipped) == {
+        "tokenizer.json": "not training state (config, tokenizer or other)"
+    }
+    ckpt = stepvault.open(root).checkpoint("lora@30")
+    assert ckpt.metadata["adapter_config"] == {"peft_type": "LORA", "r": 4}
+    assert_same(by_name(adapter), by_name(ckpt.load()["adapter"]))
+    assert_same(opt.state_dict(), ckpt.load()["optimizer"])
+
+    # Both layouts of the full weights: safetensors wins, the .bin is reported as skipped.
+    both = tmp_path / "checkpoint-31"
+    both.mkdir()
+    save_file({"w": torch.ones(3)}, both / "model.safetensors")
+    torch.save({"w": torch.zeros(3)}, both / "pytorch_model.bin")
+    report = import_checkpoint(root, both, run="both")
+    assert "model.safetensors was imported" in dict(report.skipped)["pytorch_model.bin"]
+    assert torch.equal(stepvault.open(root).checkpoint("both@31").tensor("model/w"), torch.ones(3))
+
+
 # --------------------------------------------------------------------------- bad input
 
 

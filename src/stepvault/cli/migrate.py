@@ -80,7 +80,7 @@ def import_cmd(
 
 
 def _is_run_dir(path: str) -> bool:
-    from ..ops.migrate import is_hf_checkpoint, hf_checkpoint_folders
+    from ..ops.migrate import hf_checkpoint_folders, is_hf_checkpoint
 
     try:
         return not is_hf_checkpoint(path) and bool(hf_checkpoint_folders(path))

@@ -7,6 +7,9 @@ Supported inputs (``format=`` forces one, otherwise it is detected):
     set with ``model.safetensors.index.json``), or ``pytorch_model.bin`` (sharded likewise),
     plus ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``,
     ``trainer_state.json``, ``config.json``; ``training_args.bin`` only with ``trust=True``.
+    A PEFT checkpoint's ``adapter_model.safetensors``/``.bin`` stands for the weights. A
+    Trainer ``output_dir`` imports each of its ``checkpoint-N`` folders
+    (:func:`import_checkpoints`).
 ``lightning``
     A Lightning ``.ckpt`` file.
 ``torch``
@@ -58,6 +61,7 @@ FORMATS: tuple[str, ...] = ("hf", "lightning", "torch", "safetensors")
 LAYOUTS: dict[str, dict[str, str]] = {
     "hf": {
         "model": "module: the weights, as named in the safetensors/bin files",
+        "adapter": "module: adapter_model.* of a PEFT checkpoint (instead of model)",
         "optimizer": "optimizer.pt",
         "scheduler": "scheduler.pt",
         "scaler": "scaler.pt (GradScaler)",
@@ -83,9 +87,15 @@ _HF_WEIGHTS = (
     "model.safetensors.index.json",
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",  # PEFT (LoRA...): the Trainer saves only the adapter
+    "adapter_model.bin",
 )
 # Files of an HF checkpoint folder that are configuration or tokenizer, not training state.
-_HF_METADATA_JSON = {"config.json": "config", "generation_config.json": "generation_config"}
+_HF_METADATA_JSON = {
+    "config.json": "config",
+    "generation_config.json": "generation_config",
+    "adapter_config.json": "adapter_config",
+}
 
 
 @dataclass
@@ -320,11 +330,14 @@ def hf_rng_to_stepvault(rng: Any) -> dict[str, Any] | None:
     return out
 
 
-def _hf_weights(folder: str, files: list[str], trust: bool) -> dict[str, torch.Tensor]:
+def _hf_weights(folder: str, files: list[str], trust: bool) -> tuple[str, dict[str, Any]]:
+    """``(entry, weights)``: the full model's weights (``model``), else a PEFT adapter's."""
     names = set(os.listdir(folder))
-    for single, index, loader in (
-        ("model.safetensors", "model.safetensors.index.json", load_safetensors),
-        ("pytorch_model.bin", "pytorch_model.bin.index.json", None),
+    for entry, single, index, loader in (
+        ("model", "model.safetensors", "model.safetensors.index.json", load_safetensors),
+        ("model", "pytorch_model.bin", "pytorch_model.bin.index.json", None),
+        ("adapter", "adapter_model.safetensors", None, load_safetensors),
+        ("adapter", "adapter_model.bin", None, None),
     ):
         if single in names:
             files.append(single)
@@ -332,9 +345,9 @@ def _hf_weights(folder: str, files: list[str], trust: bool) -> dict[str, torch.T
             weights = loader(path) if loader else load_pickle(path, trust=trust)
             if not _is_flat_state_dict(weights):
                 raise StepvaultError(f"{path}: expected a flat dict of name -> tensor")
-            return dict(weights)
+            return entry, dict(weights)
         if index in names:
-            return _hf_sharded(folder, index, loader, files, trust)
+            return entry, _hf_sharded(folder, index, loader, files, trust)
     raise StepvaultError(
         f"{folder}: no model weights found (expected one of {', '.join(_HF_WEIGHTS)})"
         + (
@@ -343,6 +356,12 @@ def _hf_weights(folder: str, files: list[str], trust: bool) -> dict[str, torch.T
             else ""
         )
     )
+
+
+def _why_skipped(fname: str, weights_from: str) -> str:
+    if fname in _HF_WEIGHTS or re.fullmatch(r"(model|pytorch_model)-\d+-of-\d+\.\w+", fname):
+        return f"the same weights in another layout ({weights_from} was imported)"
+    return "not training state (config, tokenizer or other)"
 
 
 def _hf_sharded(
@@ -382,7 +401,8 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
         )
     imported = ImportedState("hf", os.path.abspath(folder), {}, {})
     tree, files = imported.tree, imported.files
-    tree["model"] = _hf_weights(folder, files, trust)
+    entry, tree[entry] = _hf_weights(folder, files, trust)
+    weights_from = files[0]
     names = sorted(os.listdir(folder))
     for fname, key in (
         ("optimizer.pt", "optimizer"),
@@ -429,7 +449,7 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
             )
     for fname in names:
         if fname not in files and not any(fname == f for f, _ in imported.skipped):
-            imported.skipped.append((fname, "not training state (config, tokenizer or other)"))
+            imported.skipped.append((fname, _why_skipped(fname, weights_from)))
     imported.kinds = {k: kind_for(v) for k, v in tree.items()}
     # Step: trainer_state's global_step, else the folder name (checkpoint-N).
     if isinstance(trainer_state, dict):
