@@ -74,7 +74,7 @@ class Store:
     @classmethod
     def open(
         cls,
-        root: str | os.PathLike[str] | Backend,
+        root: str | os.PathLike[str] | Backend | Store,
         *,
         create: bool = False,
         defaults: dict[str, Any] | None = None,
@@ -84,6 +84,8 @@ class Store:
         ``defaults`` are settings recorded when the store is created (chunk size, codec...);
         an existing store keeps its recorded settings.
         """
+        if isinstance(root, Store):
+            return root  # already open (e.g. a tier's store handed to restore)
         backend = backend_for(root)
         try:
             raw = backend.read_bytes(SETTINGS_KEY)
