@@ -28,10 +28,12 @@ What a checkpoint holds, and why each piece is needed for a bitwise-exact resume
 The save policy counts micro-batches: ``Every(steps=7)`` with 12 batches per epoch and
 windows of 3 lands mid-epoch and mid-window (7, 14, 28, 35 ...), the awkward case.
 
-AMP: on CUDA the loop uses float16 autocast with a ``GradScaler``; on CPU it does the same
-(torch >= 2.4 runs float16 autocast and ``GradScaler("cpu")`` on CPU), so the scaler's state
-is really exercised here. ``--no-amp`` turns both off (``GradScaler(enabled=False)`` keeps
-the same code path and an empty state).
+AMP: on CUDA the loop uses float16 autocast with a ``GradScaler``. On CPU it does the same:
+this torch (2.13) runs float16 autocast and ``torch.amp.GradScaler("cpu")`` on CPU, with the
+same unscale / inf-check / skip / back-off / growth logic as on CUDA, so the scaler's state
+is really exercised (a first scale of 2**20 overflows float16 and makes it skip and back
+off; a bfloat16 loop would need no scaler at all). ``--no-amp`` turns both off
+(``GradScaler(enabled=False)`` keeps the same code path with an empty state).
 """
 
 from __future__ import annotations

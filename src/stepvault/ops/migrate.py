@@ -621,7 +621,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 
 def read_checkpoint(
-    path: str | os.PathLike[str], *, format: str | None = None, trust: bool = False
+    path: str | os.PathLike[str], *, format: Format | None = None, trust: bool = False
 ) -> ImportedState:
     """Read a foreign checkpoint into memory (detecting its format unless given)."""
     path = os.fspath(path)
@@ -630,7 +630,7 @@ def read_checkpoint(
     fmt = format or detect_format(path)
     if fmt == "hf":
         return read_hf_checkpoint(path, trust=trust)
-    if fmt != "hf" and os.path.isdir(path):
+    if os.path.isdir(path):
         raise StepvaultError(f"{path}: a directory; format {fmt!r} needs a file")
     if fmt == "safetensors":
         return read_safetensors_file(path)
@@ -651,7 +651,7 @@ def import_checkpoint(
     *,
     run: str,
     step: int | None = None,
-    format: str | None = None,
+    format: Format | None = None,
     trust: bool = False,
     codec: str | None = None,
     overwrite: bool = False,
@@ -723,7 +723,7 @@ def import_checkpoints(
     *,
     run: str,
     step: int | None = None,
-    format: str | None = None,
+    format: Format | None = None,
     trust: bool = False,
     codec: str | None = None,
     overwrite: bool = False,
