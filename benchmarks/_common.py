@@ -151,8 +151,7 @@ def machine_facts(workdir: Path, extra: dict[str, str] | None = None) -> dict[st
         "cores": str(os.cpu_count()),
         "cpu": cpu,
         "memory": mem,
-        "disk free": f"{du.free / 2**30:.1f} GiB of {du.total / 2**30:.1f} GiB "
-        f"({workdir.parent})",
+        "disk free": f"{du.free / 2**30:.1f} GiB of {du.total / 2**30:.1f} GiB ({workdir.parent})",
         "os": platform.platform(terse=True),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -485,3 +484,23 @@ def build_module(params: dict[str, torch.Tensor]) -> torch.nn.Module:
             mod = child
         mod.register_parameter(leaf, torch.nn.Parameter(t))
     return root
+
+
+#: Options whose values are local paths: left out of the command quoted in BENCHMARKS.md.
+PATH_OPTIONS = ("--out", "--json", "--workdir", "--plot")
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """``python benchmarks/<script> <options>`` without the local-path options."""
+    parts, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in PATH_OPTIONS:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in PATH_OPTIONS:
+            continue
+        parts.append(a)
+    return " ".join(["python", f"benchmarks/{script}", *parts])

@@ -383,7 +383,10 @@ def bench_restore(
             res.stage_faults.setdefault(k, []).append(nf)
     dest.clear()  # the cold children need the memory more than this process does
     gc.collect()
-    res.cold = bench_cold_restore(flat, shape, st_path, sv_root, workdir, cold_repeats, log)
+    if cold_repeats:
+        res.cold = bench_cold_restore(flat, shape, st_path, sv_root, workdir, cold_repeats, log)
+    else:
+        res.cold = ColdResults(skipped="not run (--cold-repeats 0)")
     remove(st_path)
     remove(sv_root)
     return res
@@ -1735,7 +1738,10 @@ def main(argv: list[str] | None = None) -> int:
         "--restore-repeats", type=int, default=5, help="repeats of each warm restore (median)"
     )
     ap.add_argument(
-        "--cold-repeats", type=int, default=5, help="repeats of each cold restore (median)"
+        "--cold-repeats",
+        type=int,
+        default=5,
+        help="repeats of each cold restore (median; 0 skips the cold restore)",
     )
     ap.add_argument(
         "--async-repeats",
@@ -1755,8 +1761,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--workdir", type=Path, default=None, help="scratch parent (default: <repo>/bench-out)"
     )
+    ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
-    if min(args.repeats, args.restore_repeats, args.codec_repeats, args.cold_repeats) < 1:
+    if min(args.repeats, args.restore_repeats, args.codec_repeats) < 1 or args.cold_repeats < 0:
         ap.error("repeats must be >= 1")
     if args.async_repeats < 1 or args.async_saves < 2:
         ap.error("--async-repeats must be >= 1 and --async-saves >= 2 (a first and a later save)")
@@ -1769,7 +1776,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
-    command = "python benchmarks/bench_core.py" + "".join(f" {a}" for a in argv)
+    command = _common.command_line("bench_core.py", argv)
     try:
         facts = machine_facts(work)
         for k, v in facts.items():
@@ -1808,6 +1815,14 @@ def main(argv: list[str] | None = None) -> int:
             runtime,
         )
         write_section(args.out, section)
+        if args.json:
+            data = {
+                "codecs": [
+                    {"dtype": c.dtype, "ratio": c.ratio, "enc": c.enc, "dec": c.dec} for c in codecs
+                ],
+                "rows": [r.__dict__ for r in rows],
+            }
+            args.json.write_text(json.dumps(data, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print()

@@ -958,9 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir.resolve()
     shutil.rmtree(work, ignore_errors=True)
     (work / "out").mkdir(parents=True)
-    command = "python benchmarks/bench_dist.py" + "".join(
-        f" {a}" for a in argv if not a.startswith("--workdir") and a != str(args.workdir)
-    )
+    command = _common.command_line("bench_dist.py", argv)
     facts = machine_facts(work)
     for k, v in facts.items():
         log(f"{k}: {v}")

@@ -10,6 +10,7 @@ from .engine import CheckpointReader
 from .errors import CheckpointNotFoundError, IntegrityError, InvalidNameError, StepvaultError
 from .format import Manifest, decode_value, parse_manifest
 from .store import Store, validate_run_name
+from .summary_cache import SummaryCache, verified_body_digest
 
 _REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?")
 
@@ -143,28 +144,39 @@ class Vault:
         return Checkpoint(self.store, self.manifest(run, int(step)))
 
     def checkpoints(self, run: str) -> list[CheckpointSummary]:
-        """Summaries of every checkpoint of ``run`` (damaged manifests show their error)."""
+        """Summaries of every checkpoint of ``run`` (damaged manifests show their error).
+
+        Every manifest is read and its checksum verified; one that was summarised before
+        (same checksum) is not parsed again: its summary comes from the run's summary
+        cache (see :mod:`stepvault.summary_cache`), which makes long runs list fast.
+        """
+        cache = SummaryCache(self.store, run)
         out = []
         for step in self.steps(run):
             try:
-                m = self.manifest(run, step)
+                data = self.store.read_manifest(run, step)
+                digest = verified_body_digest(data)
+                summary = cache.get(digest, step) if digest else None
+                if summary is None:
+                    m = parse_manifest(data, f"{run}@{step}")
+                    summary = {
+                        "step": step,
+                        "epoch": m.epoch,
+                        "created": m.created,
+                        "kind": m.kind,
+                        "metrics": dict(m.metrics),
+                        "logical_bytes": m.logical_bytes,
+                        "stored_bytes": m.stored_bytes,
+                        "new_bytes": int(m.stats.get("new_bytes", 0)),
+                        "tensors": len(m.tensors),
+                    }
+                    if digest:
+                        cache.put(digest, summary)
             except (IntegrityError, StepvaultError) as exc:
                 out.append(CheckpointSummary(run, step, None, 0.0, "?", {}, 0, 0, 0, 0, str(exc)))
                 continue
-            out.append(
-                CheckpointSummary(
-                    run=run,
-                    step=step,
-                    epoch=m.epoch,
-                    created=m.created,
-                    kind=m.kind,
-                    metrics=dict(m.metrics),
-                    logical_bytes=m.logical_bytes,
-                    stored_bytes=m.stored_bytes,
-                    new_bytes=int(m.stats.get("new_bytes", 0)),
-                    tensors=len(m.tensors),
-                )
-            )
+            out.append(CheckpointSummary(run=run, **summary))
+        cache.save()
         return out
 
     def __repr__(self) -> str:
