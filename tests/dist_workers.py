@@ -230,7 +230,10 @@ def task_manager_ddp(rank, world, root, out):
             state["step"] = step
             mgr.save(step, state, metrics={"loss": loss.item()})
         expected = state["model"].module.weight.detach().clone()
+        mgr.wait()  # saves are asynchronous: the last one may still be in flight
+        dist.barrier()  # and rank 0 applies retention after its own commit
         assert [c.step for c in mgr.checkpoints()] == [4, 6]
+        assert mgr.stats()["saves"] == 3 and mgr.stats()["failures"] == 0
     fresh = build()
     with stepvault.CheckpointManager(root, "ddp") as mgr:
         info = mgr.restore(fresh)
@@ -289,3 +292,63 @@ def task_fsdp_restore_audited(rank, world, root, out):
     assert info.step == 3 and state["step"] == 3
     with open(os.path.join(out, f"unpickled{rank}.json"), "w") as f:
         json.dump(sorted({tuple(x) for x in seen}), f)
+
+
+def task_manager_fsdp_async(rank, world, root, out):
+    """FSDP2 + optimizer through an asynchronous manager: training mutates the parameters
+    while each save is still being written; every checkpoint holds the state at its step."""
+    import stepvault
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = _fsdp_state(mesh)
+    with stepvault.CheckpointManager(
+        root, "fa", save=stepvault.Every(steps=2), keep=stepvault.KeepLast(3), async_save=True
+    ) as mgr:
+        for _ in range(6):
+            _train(state, 1)
+            handle = mgr.save(state["step"], state)
+            if handle is not None:
+                assert handle.asynchronous
+                _dump(out, rank, f"at{state['step']}", _full(state))
+        _train(state, 1)  # runs while the step-6 save is in flight
+    fresh = _fsdp_state(mesh)
+    with stepvault.CheckpointManager(root, "fa") as mgr:
+        for step in (6, 4, 2):
+            info = mgr.restore(fresh, step=step)
+            assert info.step == step and fresh["step"] == step
+            _dump(out, rank, f"restored{step}", _full(fresh))
+
+
+def task_manager_async_fails_on_rank1(rank, world, root, out):
+    """A background write failing on one rank: every rank raises at the next call, and
+    nothing of that step is committed."""
+    import stepvault
+    from stepvault.dist import storage
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = _fsdp_state(mesh)
+    mgr = stepvault.CheckpointManager(root, "ff", async_save=True)
+    _train(state, 1)
+    mgr.save(1, state)
+    mgr.wait()
+    original = storage.StepvaultWriter.write_data
+    if rank == 1:
+
+        def broken(self, plan, planner):
+            raise OSError("rank 1 lost its disk")
+
+        storage.StepvaultWriter.write_data = broken
+    _train(state, 1)
+    handle = mgr.save(2, state)  # returns at once: the failure happens in the background
+    assert handle is not None and handle.asynchronous
+    try:
+        mgr.save(3, state)
+    except BaseException as exc:
+        with open(os.path.join(out, f"err{rank}.txt"), "w") as f:
+            f.write(repr(exc))
+    else:
+        raise AssertionError("the failed background save did not surface on this rank")
+    finally:
+        storage.StepvaultWriter.write_data = original
+    mgr.save(4, state)  # the manager keeps working after reporting the failure
+    mgr.close()

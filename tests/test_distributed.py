@@ -177,8 +177,12 @@ def test_manager_with_ddp_on_every_rank(tmp_path):
     _spawn(2, "manager_ddp", tmp_path / "store", tmp_path)
     from stepvault.store.events import read_events
 
-    events = [e["event"] for e in read_events(stepvault.open(tmp_path / "store").store, "ddp")]
+    log = read_events(stepvault.open(tmp_path / "store").store, "ddp")
+    events = [e["event"] for e in log]
     assert events.count("save") == 3 and events.count("delete") == 1  # logged once, by rank 0
+    saves = [e for e in log if e["event"] == "save"]
+    assert all(e["asynchronous"] and e["world_size"] == 2 for e in saves)  # DCP async_save
+    assert all(e["stall_seconds"] < e["write_seconds"] for e in saves)
     assert stepvault.verify(tmp_path / "store", deep=True).ok
     # and a single process can read the DDP checkpoint as a full state dict
     full = stepvault.open(tmp_path / "store").checkpoint("ddp").load()
@@ -305,3 +309,22 @@ def test_multi_rank_restore_unpickles_nothing_from_the_store(fsdp_on_2, tmp_path
         if path.is_file():
             head = path.read_bytes()[:2]
             assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+
+
+def test_async_manager_saves_fsdp2_state_while_training_continues(tmp_path):
+    _spawn(2, "manager_fsdp_async", tmp_path / "store", tmp_path)
+    for step in (2, 4, 6):
+        at, restored = _pt(tmp_path / f"at{step}.pt"), _pt(tmp_path / f"restored{step}.pt")
+        assert at.keys() == restored.keys()
+        assert all(torch.equal(at[k], restored[k]) for k in at), step
+    assert not torch.equal(_pt(tmp_path / "at2.pt")["model.0.weight"],
+                           _pt(tmp_path / "at6.pt")["model.0.weight"])
+    assert stepvault.verify(tmp_path / "store", deep=True).ok
+
+
+def test_async_manager_failure_on_one_rank_surfaces_everywhere(tmp_path):
+    _spawn(2, "manager_async_fails_on_rank1", tmp_path / "store", tmp_path)
+    for rank in (0, 1):
+        assert "rank 1 lost its disk" in (tmp_path / f"err{rank}.txt").read_text()
+    assert stepvault.open(tmp_path / "store").steps("ff") == [1, 4]
+    assert stepvault.verify(tmp_path / "store", deep=True).ok

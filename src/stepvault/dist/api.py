@@ -188,6 +188,78 @@ def save_state(
                  codec=codec, workers=workers, lineage=lineage)
 
 
+class AsyncSaver:
+    """Background multi-rank saves through ``torch.distributed.checkpoint.async_save``.
+
+    The training thread only copies each rank's shards into CPU buffers that are allocated
+    once and reused (DCP's ``DefaultStager``); planning, writing and the
+    coordinator's commit run on a background thread. The background collectives use a
+    dedicated gloo process group, created once here on every rank, so they never interleave
+    with the training job's own collectives on the default group.
+    """
+
+    def __init__(self) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # DefaultStager keeps the CPU copy of every storage it staged (keyed weakly by the
+        # source storage), so parameters and optimizer moments are copied into the same
+        # buffers save after save. Pinned only where CUDA exists.
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
+
+    def close(self) -> None:
+        """Release the staging buffers."""
+        self._stager.close()
+
+    def save(
+        self,
+        store: Store,
+        state: Mapping[str, Any],
+        *,
+        run: str,
+        step: int,
+        epoch: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+        codec: str | None = None,
+        workers: int | None = None,
+        lineage: str | None = None,
+        timeout: float = 60.0,
+    ) -> Any:
+        """Stage ``state`` and start its save; returns a future that the commit completes.
+
+        Every rank must call this; if any rank fails, the future raises on every rank and
+        nothing is committed.
+        """
+        handshake(f"save {run}@{step}", timeout)
+        dcp_state, kinds = to_dcp(state)
+        dcp_state["__stepvault_kinds__"] = kinds
+        writer = StepvaultWriter(
+            store,
+            run,
+            step,
+            epoch=epoch,
+            metrics=dict(metrics or {}),
+            codec=codec,
+            workers=workers,
+            lineage=lineage,
+        )
+        return dcp.async_save(
+            dcp_state,
+            storage_writer=writer,
+            planner=SafeSavePlanner(),
+            process_group=self._pg,
+            async_stager=self._stager,
+        )
+
+
 def restore_state(
     root: str | os.PathLike[str] | Store,
     state: MutableMapping[str, Any],

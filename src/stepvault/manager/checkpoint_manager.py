@@ -251,7 +251,8 @@ class CheckpointManager:
         self.workers = workers
         self._best = self._best_metrics(best_metric, best_mode)
         # Under a process group every rank has a manager; rank 0 holds the lease, logs
-        # events and applies retention, and saves are collective (synchronous for now).
+        # events and applies retention, and saves are collective (asynchronous through DCP's
+        # async_save on a dedicated gloo group when async_save=True).
         self._dist = distributed_active()
         self._rank = torch.distributed.get_rank() if self._dist else 0
         # Cold tiers (recorded in the store) and, with a tier policy, the background mover
@@ -269,7 +270,12 @@ class CheckpointManager:
         self._lease = self._acquire_lease(lease_stale_after)
         self._closed = False
         self._lock = threading.RLock()
-        self._bg = BackgroundWriter() if async_save and not self._dist else None
+        self._bg = BackgroundWriter() if async_save else None
+        self._async_dist = None
+        if async_save and self._dist:
+            from ..dist.api import AsyncSaver
+
+            self._async_dist = AsyncSaver()  # collective: every rank builds its manager
         self._staging = StagingArea()
         self._stats = _Stats()
         self._records: dict[int, CheckpointRecord] = {}
@@ -512,35 +518,80 @@ class CheckpointManager:
         epoch: int | None,
         metrics: Mapping[str, Any] | None,
     ) -> SaveHandle | None:
-        """Every rank writes its shards; rank 0 commits, logs and applies retention."""
+        """Every rank writes its shards; rank 0 commits, logs and applies retention.
+
+        With ``async_save`` the training thread only stages each rank's shards into reused
+        CPU buffers; the write and commit run in the background (DCP ``async_save`` on a
+        dedicated gloo group). Every rank waits for the previous save before starting the
+        next, so a failure surfaces on all ranks at the same call.
+        """
         from ..api import _encode_metrics
-        from ..dist.api import save_state
         from ..state.snapshot import weights_only
 
+        background = self._async_dist is not None and not decision.urgent
+        self._wait_quietly()  # all ranks: the previous save is committed (or failed) first
         t0 = time.perf_counter()
         part = weights_only(state) if decision.kind == "weights" else state
+        args = dict(
+            run=self.run,
+            step=step,
+            epoch=epoch,
+            metrics=_encode_metrics(metrics),
+            codec=self.codec,
+            workers=self.workers,
+            lineage=self._lineage_ref() if self._rank == 0 else None,
+        )
         try:
-            save_state(
-                self.store,
-                part,
-                run=self.run,
-                step=step,
-                epoch=epoch,
-                metrics=_encode_metrics(metrics),
-                codec=self.codec,
-                workers=self.workers,
-                lineage=self._lineage_ref() if self._rank == 0 else None,
-            )
-            m = parse_manifest(self.store.read_manifest(self.run, step), f"{self.run}@{step}")
+            if background:
+                future = self._async_dist.save(self.store, part, **args)
+            else:
+                from ..dist.api import save_state
+
+                save_state(self.store, part, **args)
         except BaseException as exc:
             self._failed(step, exc)
             self._raise_or_warn(exc)
             return None
+        stall = time.perf_counter() - t0
+        handle = SaveHandle(step, decision.kind, decision.reason, stall, background)
+        if background:
+
+            def job() -> SaveInfo:
+                try:
+                    future.result()
+                except BaseException as exc:
+                    self._failed(step, exc)
+                    raise
+                return self._committed_collective(step, decision, stall, t0, background)
+
+            handle._future = self._bg.submit(job)
+        else:
+            try:
+                handle._info = self._committed_collective(step, decision, stall, t0, background)
+            finally:
+                torch.distributed.barrier()  # every rank sees the same store after the save
+        self._last_save_step = step
+        self._last_save_time = ctx.now
+        self.save_policy.saved(ctx, decision)
+        self._save_cost = stall  # what training pays per save (Young/Daly's C)
+        if decision.exit_code is not None:
+            self._event(
+                "exit_after_save", step=step, exit_code=decision.exit_code, reason=decision.reason
+            )
+            self.close()
+            raise SystemExit(decision.exit_code)
+        return handle
+
+    def _committed_collective(
+        self, step: int, decision: SaveDecision, stall: float, t0: float, background: bool
+    ) -> SaveInfo:
+        """Bookkeeping after a multi-rank commit: stats, the event and (rank 0) retention."""
+        m = parse_manifest(self.store.read_manifest(self.run, step), f"{self.run}@{step}")
         seconds = time.perf_counter() - t0
         info = SaveInfo(
             self.run,
             step,
-            epoch,
+            m.epoch,
             m.logical_bytes,
             m.stored_bytes,
             int(m.stats.get("new_bytes", 0)),
@@ -551,7 +602,7 @@ class CheckpointManager:
         )
         with self._lock:
             self._stats.saves += 1
-            self._stats.stalls.append(seconds)
+            self._stats.stalls.append(stall)
             self._stats.writes.append(seconds)
             self._stats.new_bytes += info.new_bytes
             self._stats.logical_bytes += info.logical_bytes
@@ -561,34 +612,19 @@ class CheckpointManager:
             step=step,
             kind=decision.kind,
             reason=decision.reason,
-            asynchronous=False,
+            asynchronous=background,
             world_size=torch.distributed.get_world_size(),
             logical_bytes=info.logical_bytes,
             stored_bytes=info.stored_bytes,
             new_bytes=info.new_bytes,
-            stall_seconds=seconds,
+            stall_seconds=stall,
             write_seconds=seconds,
         )
-        try:
-            if self._rank == 0 and self.keep_policy is not None:
-                self._apply_retention()
-            if self.tier_mover is not None:
-                self.tier_mover.notify()
-        finally:
-            torch.distributed.barrier()  # every rank sees the same store after the save
-        self._last_save_step = step
-        self._last_save_time = ctx.now
-        self.save_policy.saved(ctx, decision)
-        self._save_cost = seconds
-        handle = SaveHandle(step, decision.kind, decision.reason, seconds, False)
-        handle._info = info
-        if decision.exit_code is not None:
-            self._event(
-                "exit_after_save", step=step, exit_code=decision.exit_code, reason=decision.reason
-            )
-            self.close()
-            raise SystemExit(decision.exit_code)
-        return handle
+        if self._rank == 0 and self.keep_policy is not None:
+            self._apply_retention()  # store-only work: no collective, safe on a thread
+        if self.tier_mover is not None:
+            self.tier_mover.notify()
+        return info
 
     def _lineage_ref(self) -> str | None:
         """Digest of this session's lineage record, stored on first use."""
@@ -758,6 +794,8 @@ class CheckpointManager:
             ):
                 info = self._restore_collective(state, candidates, fallback)
             else:
+                from ..tiers.view import read_workers
+
                 info = restore_candidates(
                     self._view,
                     state,
@@ -765,7 +803,7 @@ class CheckpointManager:
                     candidates,
                     fallback=fallback,
                     strict=strict,
-                    workers=self.workers,
+                    workers=self.workers or read_workers(self._view),  # many on S3
                 )
         except BaseException as exc:
             self._stats.restores += 1
@@ -912,11 +950,18 @@ class CheckpointManager:
                 self._bg.shutdown()
             if self.tier_mover is not None:
                 self.tier_mover.close()  # a last pass, while this process holds the lease
+                if self.keep_policy is not None:
+                    try:  # deletions deferred until the mover had copied those checkpoints
+                        self._apply_retention()
+                    except (StepvaultError, OSError):
+                        pass  # the next session's first save applies it
         finally:
             self._closed = True
             self._stop.set()
             self.save_policy.uninstall()
             self._staging.release()
+            if self._async_dist is not None:
+                self._async_dist.close()
             try:
                 if self._lease is not None:
                     self._lease.release()
