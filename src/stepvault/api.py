@@ -448,9 +448,10 @@ def restore(
         if missing_ok:
             return None
         raise
-    from .tiers.view import read_view
+    from .tiers.view import read_view, read_workers
 
     store = read_view(store)  # a store with cold tiers restores from any tier, hot first
+    workers = workers or read_workers(store)  # many parallel fetches from object stores
     steps = store.list_steps(run)
     newest = steps[-1] if step == "latest" and steps else step
     if isinstance(newest, int) and _is_sharded(store, run, newest):

@@ -32,7 +32,7 @@ from .names import check_key
 
 #: botocore settings for S3: bounded waits and retries with backoff on transient errors.
 DEFAULT_S3_CONFIG: dict[str, Any] = {
-    "retries": {"max_attempts": 10, "mode": "standard"},
+    "retries": {"max_attempts": 8, "mode": "standard"},
     "connect_timeout": 10,
     "read_timeout": 120,
     "max_pool_connections": 64,
@@ -277,6 +277,10 @@ def open_fsspec(url: str, **storage_options: Any) -> FsspecBackend:
             f"{url!r}: no usable fsspec filesystem for {protocol}:// ({exc}); install its "
             "package (s3fs, gcsfs, adlfs...)"
         ) from exc
+    if protocol in ("s3", "s3a"):
+        # s3fs retries some errors again around botocore's own retries: keep the product
+        # bounded, so a permanent failure surfaces in about two minutes, not ten.
+        fs.retries = 3
     root = rest.strip("/")
     if protocol == "memory":
         root = "/" + root

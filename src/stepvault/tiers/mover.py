@@ -314,13 +314,20 @@ class TierMover:
                 self._done = max(self._done, target)
                 self._cond.notify_all()
 
+    #: How long :meth:`close` waits for the last pass by default (an unreachable archive
+    #: must not hang the end of training for ever; an interrupted move is crash-safe).
+    close_timeout: float = 300.0
+
     def close(self, wait: bool = True, timeout: float | None = None) -> None:
-        """Stop the mover; with ``wait`` finish a last pass first."""
+        """Stop the mover; with ``wait`` finish a last pass first (up to ``timeout`` or
+        :attr:`close_timeout` seconds; a move still running then is abandoned safely)."""
         if self._thread is None:
             return
+        timeout = self.close_timeout if timeout is None else timeout
+        finished = True
         if wait and self._thread.is_alive():
-            self.drain(timeout)
+            finished = self.drain(timeout)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(timeout if finished else 0.1)

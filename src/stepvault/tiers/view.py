@@ -186,3 +186,18 @@ def catalog(tiers: Tiers, run: str | None = None) -> list[CatalogEntry]:
                 CatalogEntry(name, step, [t for t in view.order if step in by_tier.get(t, [])])
             )
     return out
+
+
+#: Parallel object fetches for a restore that reads from an object store: the work is
+#: network round trips, not CPU, so many more requests in flight than cores pay off.
+REMOTE_READ_WORKERS = 16
+
+
+def read_workers(store: Store) -> int | None:
+    """Reader threads for restoring from ``store``: :data:`REMOTE_READ_WORKERS` when it (or
+    any of its tiers) is remote, else None (the engine's CPU-based default)."""
+    from ..store import LocalBackend
+
+    stores = [s for _, s in store._stores()] if isinstance(store, TieredView) else [store]
+    remote = any(not isinstance(s.backend, LocalBackend) for s in stores)
+    return REMOTE_READ_WORKERS if remote else None
