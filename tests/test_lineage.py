@@ -166,3 +166,14 @@ def test_bad_annotations_are_refused(tmp_path):
     with pytest.raises(stepvault.CheckpointNotFoundError):
         stepvault.annotate(root, "r", 7, {"loss": 1.0})
     assert not (root / "runs/r/annotations").exists()
+
+
+def test_listings_show_annotated_metrics(tmp_path):
+    root = tmp_path / "s"
+    stepvault.save(root, _state(1), run="r", step=1, metrics={"loss": 2.0})
+    assert stepvault.open(root).checkpoints("r")[0].metrics == {"loss": 2.0}
+    stepvault.annotate(root, "r", 1, {"val_loss": 1.25})
+    (summary,) = stepvault.open(root).checkpoints("r")
+    assert summary.metrics == {"loss": 2.0, "val_loss": 1.25}
+    res = cli(root, "ls", "r")
+    assert res.exit_code == 0 and "val_loss" in res.output, res.output

@@ -10,6 +10,7 @@ from .engine import CheckpointReader
 from .errors import CheckpointNotFoundError, IntegrityError, InvalidNameError, StepvaultError
 from .format import Manifest, decode_value, parse_manifest
 from .store import Store, validate_run_name
+from .store.annotations import manifest_id, merged_metrics, read_annotations
 from .summary_cache import SummaryCache, verified_body_digest
 
 _REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?")
@@ -151,6 +152,7 @@ class Vault:
         cache (see :mod:`stepvault.summary_cache`), which makes long runs list fast.
         """
         cache = SummaryCache(self.store, run)
+        annotations = read_annotations(self.store, run)
         out = []
         for step in self.steps(run):
             try:
@@ -175,6 +177,13 @@ class Vault:
             except (IntegrityError, StepvaultError) as exc:
                 out.append(CheckpointSummary(run, step, None, 0.0, "?", {}, 0, 0, 0, 0, str(exc)))
                 continue
+            if step in annotations:  # metrics attached later (stepvault annotate) win
+                summary = {
+                    **summary,
+                    "metrics": merged_metrics(
+                        summary["metrics"], annotations[step], manifest_id(data)
+                    ),
+                }
             out.append(CheckpointSummary(run=run, **summary))
         cache.save()
         return out
