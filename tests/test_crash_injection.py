@@ -1,8 +1,9 @@
 """Crash injection: SIGKILL a training process at random instants, many times.
 
 Each trial kills a real training process (async saves with slowed object writes, a keep
-policy with immediate GC) at a random moment — mid-object write, between the last object
-and the manifest, during retention/GC — then checks that the store deep-verifies, that
+policy with immediate GC, and for odd seeds a cold tier that the mover copies every 6th
+step to in the background) at a random moment — mid-object write, between the last object
+and the manifest, during retention/GC, during a tier move — then checks that the store deep-verifies, that
 restore takes the newest committed checkpoint, and that training continued from there
 ends bitwise equal to an uninterrupted run.
 """
@@ -40,10 +41,28 @@ def reference(tmp_path_factory):
     return _final(out.stdout)
 
 
+def _committed(root: Path) -> list[int]:
+    """Steps committed in any tier (hot and, when configured, the cold directory)."""
+    steps: set[int] = set()
+    for store in (root, root.parent / "cold"):
+        if (store / "stepvault.json").exists():
+            steps.update(stepvault.open(store).steps("job"))
+    return sorted(steps)
+
+
+def _verify_all(root: Path) -> None:
+    for store in (root, root.parent / "cold"):
+        if (store / "stepvault.json").exists() and stepvault.open(store).runs():
+            report = stepvault.verify(store, deep=True)
+            assert report.ok, report.to_json()
+
+
 def _trial(root: Path, seed: int, reference: str) -> dict:
+    """One kill; odd seeds also run a cold tier, so kills land in tier moves too."""
     rng = random.Random(seed)
+    tier = ["--cold", str(root.parent / "cold")] if seed % 2 else []
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--store", str(root), *ARGS],
+        [sys.executable, str(SCRIPT), "--store", str(root), *ARGS, *tier],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -57,11 +76,10 @@ def _trial(root: Path, seed: int, reference: str) -> dict:
     time.sleep(rng.uniform(0.0, 2.5))
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    committed = stepvault.open(root).steps("job") if (root / "stepvault.json").exists() else []
-    report = stepvault.verify(root, deep=True) if committed else None
-    assert report is None or report.ok, report.to_json()
+    committed = _committed(root)
+    _verify_all(root)
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--store", str(root), *ARGS],
+        [sys.executable, str(SCRIPT), "--store", str(root), *ARGS, *tier],
         capture_output=True,
         text=True,
         timeout=300,
@@ -70,7 +88,9 @@ def _trial(root: Path, seed: int, reference: str) -> dict:
     expected = f"RESUMED {committed[-1]}" if committed else "FRESH"
     assert expected in out.stdout
     assert _final(out.stdout) == reference
-    assert stepvault.verify(root, deep=True).ok
+    _verify_all(root)
+    if tier:  # the policy ran to the end: every 6th step archived, consistent both sides
+        assert stepvault.open(root.parent / "cold").steps("job")[-1] == 30
     return {"seed": seed, "committed_at_kill": committed[-1] if committed else None}
 
 

@@ -28,6 +28,17 @@ def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def _tier_options(cold: str | None) -> dict:
+    if not cold:
+        return {}
+    from stepvault.tiers import CopyEvery, HotLast
+
+    return {
+        "tiers": {"archive": cold},
+        "tier_policy": HotLast(2) | CopyEvery("archive", steps=6),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
@@ -38,6 +49,7 @@ def main() -> int:
     p.add_argument("--slow-writes", type=float, default=0.0, help="sleep per object write")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--sync", action="store_true")
+    p.add_argument("--cold", help="a directory as cold tier: every 6th step copied, hot keeps 2")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -74,6 +86,7 @@ def main() -> int:
         async_save=not args.sync,
         gc_grace_seconds=0.0,
         total_steps=args.steps,
+        **_tier_options(args.cold),
     )
     info = mgr.restore(state)
     print(f"RESUMED {info.step}" if info else "FRESH", flush=True)
