@@ -3,7 +3,10 @@ kill it with SIGKILL in the middle of training and resume it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -46,15 +49,37 @@ def run_example(script: str, *args: str, timeout: float = 300) -> str:
     return out.stdout
 
 
+def run_example_here(script: str, *args: str) -> str:
+    """Run ``examples/<script>`` in this process (no second interpreter start-up, which
+    costs seconds with these frameworks); its stdout."""
+    argv = sys.argv
+    out = io.StringIO()
+    sys.argv = [str(EXAMPLES / script), *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()
+
+
 def final_digest(stdout: str) -> str:
     return next(line.split()[1] for line in stdout.splitlines() if line.startswith("FINAL"))
 
 
 def kill_when_saved(
-    script: str, root, run: str, *args: str, min_step: int, timeout: float = 240
+    script: str,
+    root,
+    run: str,
+    *args: str,
+    min_step: int,
+    sig: int = signal.SIGKILL,
+    exit_code: int | None = None,
+    timeout: float = 240,
 ) -> list[int]:
-    """Start the example, SIGKILL it once ``run`` has a checkpoint at ``min_step`` or later;
-    returns the committed steps seen after the kill."""
+    """Start the example, send it ``sig`` once ``run`` has a checkpoint at ``min_step`` or
+    later, check its exit status (killed by ``sig``, or ``exit_code``); returns the
+    committed steps after it ended."""
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLES / script), *args],
         stdout=subprocess.DEVNULL,
@@ -75,9 +100,13 @@ def kill_when_saved(
             time.sleep(0.05)
         else:
             raise AssertionError(f"{script} wrote no checkpoint at step >= {min_step} in time")
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=120)
+        err = proc.stderr.read()
     finally:
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.returncode == (-sig if exit_code is None else exit_code), err[-4000:]
     return stepvault.open(root).steps(run)

@@ -18,6 +18,7 @@ from integration_util import (  # noqa: E402
     final_digest,
     kill_when_saved,
     run_example,
+    run_example_here,
 )
 
 import stepvault  # noqa: E402
@@ -137,8 +138,8 @@ def test_import_error_names_the_extra(monkeypatch):
 @pytest.mark.slow
 def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
     args = ["--run", "acc", "--steps", "60", "--save-every", "10"]
-    out = run_example("accelerate_train.py", "--root", str(tmp_path / "a"), *args)
-    reference = final_digest(out)
+    here = run_example_here("accelerate_train.py", "--root", str(tmp_path / "a"), *args)
+    reference = final_digest(here)
     root = tmp_path / "b"
     steps = kill_when_saved(
         "accelerate_train.py", root, "acc", "--root", str(root), *args, "--step-sleep", "0.05",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+import signal
 import sys
 import warnings
 
@@ -18,6 +19,7 @@ from integration_util import (  # noqa: E402
     final_digest,
     kill_when_saved,
     run_example,
+    run_example_here,
 )
 from torch.utils.data import TensorDataset  # noqa: E402
 
@@ -171,16 +173,20 @@ def test_import_error_names_the_extra(monkeypatch):
 
 
 @pytest.mark.slow
-def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
+def test_example_preempted_then_killed_resumes_to_the_same_weights(tmp_path):
     args = ["--run", "lit", "--max-steps", "60", "--save-every", "10"]
-    out = run_example("lightning_train.py", "--root", str(tmp_path / "a"), *args)
-    reference = final_digest(out)
+    here = run_example_here("lightning_train.py", "--root", str(tmp_path / "a"), *args)
+    reference = final_digest(here)
     root = tmp_path / "b"
+    run = ["lightning_train.py", root, "lit", "--root", str(root), *args]
+    # SIGTERM (a preemption notice): OnSignal saves at the next step boundary, exits 143.
     steps = kill_when_saved(
-        "lightning_train.py", root, "lit", "--root", str(root), *args, "--step-sleep", "0.05",
-        min_step=30,
+        *run, "--step-sleep", "0.1", min_step=10, sig=signal.SIGTERM, exit_code=143
     )
-    assert steps and steps[-1] < 60
+    assert steps[-1] % 10 != 0  # the extra checkpoint taken at the signal
+    # SIGKILL (a crash) of the resumed run, later on.
+    steps = kill_when_saved(*run, "--step-sleep", "0.05", min_step=steps[-1] + 10)
+    assert steps[-1] < 60
     out = run_example("lightning_train.py", "--root", str(root), *args)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference

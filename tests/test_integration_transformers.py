@@ -15,6 +15,7 @@ from integration_util import (  # noqa: E402
     final_digest,
     kill_when_saved,
     run_example,
+    run_example_here,
 )
 from transformers import (  # noqa: E402
     GPT2Config,
@@ -120,14 +121,15 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
-    args = ["--run", "hf", "--max-steps", "40", "--save-every", "10"]
-    reference = final_digest(run_example("hf_trainer.py", "--root", str(tmp_path / "a"), *args))
+    args = ["--run", "hf", "--max-steps", "24", "--save-every", "6"]
+    here = run_example_here("hf_trainer.py", "--root", str(tmp_path / "a"), *args)
+    reference = final_digest(here)
     root = tmp_path / "b"
     steps = kill_when_saved(
-        "hf_trainer.py", root, "hf", "--root", str(root), *args, "--step-sleep", "0.1",
-        min_step=20,
+        "hf_trainer.py", root, "hf", "--root", str(root), *args, "--step-sleep", "0.05",
+        min_step=12,
     )
-    assert steps and steps[-1] < 40
+    assert steps and steps[-1] < 24
     out = run_example("hf_trainer.py", "--root", str(root), *args)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference

@@ -345,7 +345,7 @@ class StepvaultCheckpoint(Checkpoint):
             return
         self._due = (step, epoch, finite_metrics(trainer.callback_metrics))
         try:
-            trainer.save_checkpoint(f"{PREFIX}{step}")
+            trainer.save_checkpoint(f"{PREFIX}{step}", weights_only=False)
         finally:
             self._due = None
 
