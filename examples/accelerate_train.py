@@ -2,8 +2,8 @@
 
     python examples/accelerate_train.py --root ckpts --run acc-demo --steps 100
 
-Gradient accumulation, a stateful data loader (its position is saved), dropout and a
-scheduler. Kill it and run the same command again: it resumes from the newest checkpoint
+Gradient accumulation, a shuffled stateful data loader (its position is saved), dropout
+and a scheduler. Kill it and run the same command again: it resumes from the newest checkpoint
 that verifies and ends with the same weights, bit for bit, as an uninterrupted run.
 """
 
@@ -44,7 +44,11 @@ def main() -> None:
     accelerator = Accelerator(
         cpu=True,
         gradient_accumulation_steps=2,
-        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+        # A stateful loader saves its position in the epoch; the seedable sampler makes each
+        # epoch's shuffle a function of (seed, epoch), so a resumed epoch has the same order.
+        dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=True, use_seedable_sampler=True
+        ),
     )
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 8, generator=g)
@@ -54,9 +58,11 @@ def main() -> None:
     )
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)
-    # Sequential order, and the loader's own generator so that building its iterator never
-    # draws from the global RNG (which dropout uses and the checkpoint restores).
-    loader = DataLoader(TensorDataset(x, y), batch_size=16, generator=torch.Generator())
+    # The loader's own generator: building its iterator then never draws from the global
+    # RNG, which dropout uses and the checkpoint restores.
+    loader = DataLoader(
+        TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
 
     progress = {"epoch": 0, "step": 0}  # plain values, saved and restored with the rest
@@ -67,6 +73,7 @@ def main() -> None:
     info = ckpt.restore()
     print(f"RESUMED {info.step}" if info else "FRESH", flush=True)
     while progress["step"] < args.steps:
+        loader.set_epoch(progress["epoch"])  # the shuffle order of this epoch
         for xb, yb in loader:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(xb), yb)

@@ -37,7 +37,11 @@ def _setup():
     acc = Accelerator(
         cpu=True,
         gradient_accumulation_steps=2,
-        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+        # The stateful loader saves its position; the seedable sampler makes an epoch's
+        # shuffle a function of (seed, epoch), so the resumed epoch has the same order.
+        dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=True, use_seedable_sampler=True
+        ),
     )
     g = torch.Generator().manual_seed(0)
     ds = torch.utils.data.TensorDataset(
@@ -48,7 +52,9 @@ def _setup():
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3)
-    loader = torch.utils.data.DataLoader(ds, batch_size=4, generator=torch.Generator())
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
     return (acc, *acc.prepare(model, opt, sched, loader))
 
 
@@ -60,6 +66,7 @@ def _train(root, *, stop=None, total=20):
     )
     info = ckpt.restore()
     while progress["step"] < total:
+        loader.set_epoch(progress["epoch"])
         for x, y in loader:
             with acc.accumulate(model):
                 loss = ((model(x) - y) ** 2).mean()
