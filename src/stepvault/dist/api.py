@@ -182,10 +182,15 @@ def save_state(
     value is the one committed).
     """
     handshake(f"save {run}@{step}", timeout)
+    save_sharded(root, _with_kinds(state), run=run, step=step, epoch=epoch, metrics=metrics,
+                 codec=codec, workers=workers, lineage=lineage)
+
+
+def _with_kinds(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The DCP state dict of a stepvault state, with the kind of each top-level entry."""
     dcp_state, kinds = to_dcp(state)
     dcp_state["__stepvault_kinds__"] = kinds
-    save_sharded(root, dcp_state, run=run, step=step, epoch=epoch, metrics=metrics,
-                 codec=codec, workers=workers, lineage=lineage)
+    return dcp_state
 
 
 class AsyncSaver:
@@ -239,8 +244,6 @@ class AsyncSaver:
         nothing is committed.
         """
         handshake(f"save {run}@{step}", timeout)
-        dcp_state, kinds = to_dcp(state)
-        dcp_state["__stepvault_kinds__"] = kinds
         writer = StepvaultWriter(
             store,
             run,
@@ -252,7 +255,7 @@ class AsyncSaver:
             lineage=lineage,
         )
         return dcp.async_save(
-            dcp_state,
+            _with_kinds(state),
             storage_writer=writer,
             planner=SafeSavePlanner(),
             process_group=self._pg,

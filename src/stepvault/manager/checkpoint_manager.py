@@ -600,13 +600,7 @@ class CheckpointManager:
             seconds,
             decision.kind,
         )
-        with self._lock:
-            self._stats.saves += 1
-            self._stats.stalls.append(stall)
-            self._stats.writes.append(seconds)
-            self._stats.new_bytes += info.new_bytes
-            self._stats.logical_bytes += info.logical_bytes
-            self._records.pop(step, None)  # re-read (with its manifest id) when needed
+        self._count_save(info, stall)
         self._event(
             "save",
             step=step,
@@ -625,6 +619,16 @@ class CheckpointManager:
         if self.tier_mover is not None:
             self.tier_mover.notify()
         return info
+
+    def _count_save(self, info: SaveInfo, stall: float) -> None:
+        with self._lock:
+            s = self._stats
+            s.saves += 1
+            s.stalls.append(stall)
+            s.writes.append(info.seconds)
+            s.new_bytes += info.new_bytes
+            s.logical_bytes += info.logical_bytes
+            self._records.pop(info.step, None)  # re-read (with its manifest id) when needed
 
     def _lineage_ref(self) -> str | None:
         """Digest of this session's lineage record, stored on first use."""
@@ -650,14 +654,7 @@ class CheckpointManager:
         except BaseException as exc:
             self._failed(manifest.step, exc)
             raise
-        with self._lock:
-            s = self._stats
-            s.saves += 1
-            s.stalls.append(stall)
-            s.writes.append(info.seconds)
-            s.new_bytes += info.new_bytes
-            s.logical_bytes += info.logical_bytes
-            self._records.pop(manifest.step, None)  # re-read (with its manifest id) when needed
+        self._count_save(info, stall)
         if self._metrics:
             self._metrics.saved(
                 info.kind, stall, info.seconds, info.new_bytes, info.logical_bytes, info.step
