@@ -78,10 +78,11 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connectio
 class FaultProxy:
     """Forwards HTTP to ``upstream``; fails a fraction ``rate`` of requests.
 
-    Faults, chosen at random per failed request: ``503`` SlowDown (throttling), ``500``
-    InternalError, ``reset`` (connection dropped before the server saw the request) and
-    ``lost`` (the server applied the request, then the connection dropped before the
-    response: the client cannot know it succeeded). ``counts`` records what happened.
+    Which requests fail is random (seeded); the kind of fault cycles through ``503``
+    SlowDown (throttling), ``500`` InternalError, ``reset`` (connection dropped before the
+    server saw the request) and ``lost`` (the server applied the request, then the
+    connection dropped before the response: the client cannot know it succeeded).
+    ``counts`` records what happened.
     """
 
     FAULTS = ("503", "500", "reset", "lost")
@@ -92,6 +93,7 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+        self._next = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -183,7 +185,8 @@ class FaultProxy:
             self.counts["requests"] += 1
             if self.rng.random() >= self.rate:
                 return None
-            fault = self.rng.choice(self.FAULTS)
+            fault = self.FAULTS[self._next % len(self.FAULTS)]  # every kind, in turn
+            self._next += 1
             self.counts[fault] += 1
             return fault
 

@@ -191,7 +191,7 @@ def test_ten_percent_of_requests_fail_and_saves_and_restores_still_succeed(s3, b
     finally:
         proxy.stop()
     # The faults really happened, of every kind, including lost responses.
-    assert counts["requests"] > 100
+    assert counts["requests"] > 60
     failed = sum(counts.get(k, 0) for k in FaultProxy.FAULTS)
     assert failed >= 0.05 * counts["requests"]
     assert all(counts.get(k, 0) > 0 for k in FaultProxy.FAULTS), counts

@@ -89,7 +89,14 @@ class FsspecBackend(Backend):
             return b""
         return self.fs.cat_file(self._path(key), start=offset, end=offset + length)
 
+    def _head(self, key: str) -> dict[str, Any]:
+        # One HEAD of the exact key (fs.info would also LIST the prefix when it is absent).
+        bucket, name = self._split(key)
+        return self.fs.call_s3("head_object", Bucket=bucket, Key=name)
+
     def size(self, key: str) -> int:
+        if self.is_s3:
+            return int(self._head(key)["ContentLength"])
         return int(self.fs.size(self._path(key)))
 
     def exists(self, key: str) -> bool:
@@ -97,7 +104,8 @@ class FsspecBackend(Backend):
         if self.is_s3:
             # A HEAD of the exact key: fs.exists() would also count a "directory" prefix.
             try:
-                return self.fs.info(path).get("type") != "directory"
+                self._head(key)
+                return True
             except FileNotFoundError:
                 return False
         return bool(self.fs.isfile(path))
@@ -190,6 +198,8 @@ class FsspecBackend(Backend):
             pass  # no way to refresh it here; GC's grace period falls back to creation time
 
     def mtime(self, key: str) -> float:
+        if self.is_s3:
+            return float(self._head(key)["LastModified"].timestamp())
         return float(self.fs.modified(self._path(key)).timestamp())
 
     def append(self, key: str, data: bytes) -> None:
