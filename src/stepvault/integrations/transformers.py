@@ -192,8 +192,8 @@ class StepvaultTrainerMixin:
         if args.load_best_model_at_end:
             raise StepvaultError(
                 "load_best_model_at_end reads checkpoint-N folders, which this Trainer does "
-                "not write; keep the best with keep=KeepBest(...) and load it with "
-                "StepvaultCallback(...).manager.restore(state, 'best')"
+                "not write; keep the best with keep=KeepBest(...) and load it after "
+                "training with ckpt.open().restore({'model': model}, 'best', strict=False)"
             )
 
     # ------------------------------------------------------------------------ train
