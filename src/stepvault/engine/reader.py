@@ -22,6 +22,7 @@ from ..format.encoding import torch_dtype, torch_dtype_name
 from ..format.manifest import Manifest, TensorEntry
 from ..format.objects import decode_object
 from ..store import Store
+from .copying import parallel_copy
 from .staging import from_bytes
 from .writer import default_workers
 
@@ -121,11 +122,20 @@ class CheckpointReader:
             return np.lib.stride_tricks.as_strided(one, entry.shape, [0] * len(entry.shape))
         return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype), device="meta")
 
-    def read_into(self, name: str | TensorEntry, dst: torch.Tensor) -> bool:
+    def read_into(
+        self,
+        name: str | TensorEntry,
+        dst: torch.Tensor,
+        *,
+        copies: list[tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> bool:
         """Copy a verified tensor (by name, or a TensorEntry such as a shard) straight into
         ``dst`` (no intermediate buffer).
 
         Returns False, touching nothing, when ``dst`` does not fit (shape, dtype, layout).
+        With ``copies`` the host-to-host byte copies are appended there instead of run
+        (the caller runs them all at once with :func:`~stepvault.engine.copying.
+        parallel_copy`, spread over the cores); copies to other devices run here.
         """
         entry = name if isinstance(name, TensorEntry) else self.manifest.tensors[name]
         if (
@@ -143,16 +153,21 @@ class CheckpointReader:
         # slower for plain CPU byte copies here); other devices go through torch.
         host = flat.numpy() if flat.device.type == "cpu" else None
         at = 0
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
         with torch.no_grad():
             for digest, off, length in entry.chunks:
                 src = self._object(digest)[off : off + length]
                 if src.nbytes != length:
                     raise CorruptObjectError(f"object {digest[:16]}… is shorter than expected")
                 if host is not None:
-                    np.copyto(host[at : at + length], np.frombuffer(src, dtype=np.uint8))
+                    pairs.append((host[at : at + length], np.frombuffer(src, dtype=np.uint8)))
                 else:
                     flat[at : at + length].copy_(torch.frombuffer(src, dtype=torch.uint8))
                 at += length
+        if copies is not None:
+            copies.extend(pairs)
+        else:
+            parallel_copy(pairs)
         return True
 
     def _build(self, entry: TensorEntry) -> Any:

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
+from ..engine.copying import parallel_copy
 from ..engine.reader import CheckpointReader, PendingArray
 from .capture import kind_of
 
@@ -49,6 +51,9 @@ def place_and_materialize(
     state: this mutates live tensors.
     """
     out: dict[str, Any] = {}
+    # Host copies are collected and run together at the end, spread over the cores (one
+    # thread copying 1.5 GB took 0.19 s here; torch's own copy_ on all cores 0.11 s).
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
     for key, saved in tree.items():
         live = state.get(key)
         kind = kind_of(live) if key in state else None
@@ -60,7 +65,7 @@ def place_and_materialize(
                 if (
                     isinstance(value, PendingArray)
                     and isinstance(target, torch.Tensor)
-                    and reader.read_into(value.name, target)
+                    and reader.read_into(value.name, target, copies=copies)
                 ):
                     placed[name] = PLACED
                 else:
@@ -69,9 +74,10 @@ def place_and_materialize(
         elif (
             kind == "tensor"
             and isinstance(saved, PendingArray)
-            and reader.read_into(saved.name, live)
+            and reader.read_into(saved.name, live, copies=copies)
         ):
             out[key] = PLACED
         else:
             out[key] = _materialize(saved, reader)
+    parallel_copy(copies)
     return out
