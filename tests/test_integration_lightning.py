@@ -191,3 +191,32 @@ def test_example_preempted_then_killed_resumes_to_the_same_weights(tmp_path):
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference
     assert stepvault.verify(root, deep=True).ok
+
+
+def test_standalone_pytorch_lightning_package(tmp_path):
+    ptl = pytest.importorskip("pytorch_lightning")
+    from stepvault.integrations.pytorch_lightning import StepvaultCheckpoint as PTLCheckpoint
+
+    class TinyPTL(ptl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(resume: bool):
+        ckpt = PTLCheckpoint(tmp_path, run="ptl", save=Every(steps=5))
+        trainer = ptl.Trainer(max_steps=10, callbacks=[ckpt], logger=False,
+                              enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(TinyPTL(), _loader(), ckpt_path=ckpt.resume_path if resume else None)
+        return ckpt, trainer
+
+    fit(resume=False)
+    assert stepvault.open(tmp_path).steps("ptl") == [5, 10]
+    ckpt, trainer = fit(resume=True)  # resumed at max_steps: nothing left to train
+    assert ckpt.last_restore.step == 10 and trainer.global_step == 10

@@ -7,6 +7,8 @@ pulls in a framework (this package imports none of them):
   (a ``Checkpoint`` callback with stepvault's save/keep policies and async saves) and the
   ``CheckpointIO`` it installs so that ``fit(ckpt_path=ckpt.resume_path)`` resumes from
   the newest checkpoint that verifies. ``pip install "stepvault[lightning]"``.
+  :mod:`stepvault.integrations.pytorch_lightning`: the same for the standalone
+  ``pytorch_lightning`` package.
 * :mod:`stepvault.integrations.transformers` — Hugging Face ``Trainer``:
   ``StepvaultCallback`` plus ``StepvaultTrainer`` (or ``StepvaultTrainerMixin`` for your
   own Trainer subclass). ``pip install "stepvault[transformers]"``.

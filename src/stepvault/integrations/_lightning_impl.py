@@ -1,0 +1,432 @@
+"""The PyTorch Lightning integration, written once for both packages that ship Lightning.
+
+``lightning.pytorch`` and the older standalone ``pytorch_lightning`` have the same API but
+distinct classes, and a Trainer only accepts callbacks and plugins built on its own. The
+behaviour lives here in two mixins that import no framework; :mod:`.lightning` and
+:mod:`.pytorch_lightning` combine them with each package's ``Checkpoint`` and
+``CheckpointIO``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ._common import finite_metrics, has_full_checkpoint, read_checkpoint
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+from .. import __version__
+from ..api import RestoreInfo
+from ..errors import StepvaultError, UnsupportedTypeError
+from ..manager import CheckpointManager
+from ..policy import Every, KeepPolicy, SavePolicy
+from ..state import RNGState
+
+#: Checkpoint paths that start with this go to the store, not to the file system.
+PREFIX = "stepvault:"
+
+#: Top-level entries of a stored Lightning checkpoint.
+MODEL_KEY = "model"
+LIGHTNING_KEY = "lightning"
+
+
+def _parse(path: Any) -> int | Literal["latest", "best"] | None:
+    """The step a ``stepvault:...`` path names, or None for any other path."""
+    if not isinstance(path, str) or not path.startswith(PREFIX):
+        return None
+    ref = path[len(PREFIX) :]
+    if ref in ("latest", "best"):
+        return ref  # type: ignore[return-value]
+    if ref.isdigit():
+        return int(ref)
+    raise ValueError(
+        f"bad stepvault checkpoint path {path!r}: expected {PREFIX}latest, {PREFIX}best or "
+        f"{PREFIX}<step>"
+    )
+
+
+class _StateDictView(torch.nn.Module):
+    """A plain state dict presented as a module.
+
+    Lightning hands over ``checkpoint["state_dict"]`` after its ``on_save_checkpoint``
+    hooks (which may drop or rename keys); storing it as a module entry keeps those edits
+    and records it as the checkpoint's weights, so weights-only checkpoints and
+    ``stepvault export`` find it.
+    """
+
+    def __init__(self, state_dict: Mapping[str, Any]) -> None:
+        super().__init__()
+        self._view = state_dict
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._view
+
+
+def _stringify_unencodable(value: Any, path: str, found: list[str]) -> Any:
+    """``value`` with every leaf the safe encoding refuses replaced by its ``repr``."""
+    from ..format import Encoder
+
+    if isinstance(value, dict):
+        return {k: _stringify_unencodable(v, f"{path}[{k!r}]", found) for k, v in value.items()}
+    try:
+        Encoder(None).encode(value)
+        return value
+    except UnsupportedTypeError:
+        found.append(path)
+        return repr(value)
+
+
+class CheckpointIOMixin:
+    """A Lightning ``CheckpointIO`` that reads and writes ``stepvault:`` paths in a store.
+
+    Any other path goes to ``wrapped`` (the strategy's previous ``CheckpointIO``), so a
+    ``ModelCheckpoint`` next to :class:`StepvaultCheckpoint` keeps writing its files.
+    """
+
+    def __init__(self, callback: CheckpointMixin, wrapped: Any) -> None:
+        self.callback = callback
+        self.wrapped = wrapped
+
+    def _other(self, path: Any) -> Any:
+        if self.wrapped is None:
+            raise ValueError(f"{path!r} is not a {PREFIX} path and there is no other CheckpointIO")
+        return self.wrapped
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        step = _parse(path)
+        if step is None:
+            self._other(path).save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        if not isinstance(step, int):
+            raise ValueError(f"save to {PREFIX}<step>, not {path!r}")
+        self.callback._store_checkpoint(checkpoint, step)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        step = _parse(path)
+        if step is None:
+            return self._other(path).load_checkpoint(
+                path, map_location=map_location, weights_only=weights_only
+            )
+        return self.callback.load(step)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if _parse(path) is None:
+            self._other(path).remove_checkpoint(path)
+            return
+        raise ValueError(
+            f"{path!r}: checkpoints in a stepvault store are deleted by the keep policy "
+            "(keep=...) or `stepvault gc`, never by path"
+        )
+
+    def teardown(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.teardown()
+
+
+class CheckpointMixin:
+    """Save a Lightning run through stepvault with its save/keep policies; resume from it.
+
+    Parameters:
+        root: the store (a directory or fsspec URL; created when absent).
+        run: run name in the store.
+        save: save policy, asked at every optimizer-step boundary (default
+            ``Every(epochs=1)``, like ``ModelCheckpoint``). The epoch a policy sees is the
+            number of *completed* epochs, so ``Every(epochs=1)`` saves at the last step
+            of each epoch.
+        keep: keep policy applied after each save (default: keep everything).
+        async_save: write in the background; training waits only for the copy of the
+            tensors into reusable host buffers.
+        unsupported_hparams: what to do with a ``save_hyperparameters()`` value the safe
+            encoding refuses (a ``Path``, an enum, a config object): ``"error"`` (default)
+            fails the save with the key path; ``"str"`` stores its ``repr`` instead (with
+            a warning). Hyperparameters are not needed to resume, only to rebuild a
+            module from a checkpoint; anything else that cannot be encoded always fails
+            with its key path (register a converter with ``stepvault.register_type``).
+        manager_options: passed to :class:`~stepvault.CheckpointManager` (``if_busy``,
+            ``codec``, ``best_metric``, ``best_mode``, ``on_save_error``, ``workers``,
+            ``gc_grace_seconds``, ``lease_stale_after``, ``prometheus``).
+
+    Every finite scalar in ``trainer.callback_metrics`` (what ``self.log`` recorded) is
+    stored as a metric of the checkpoint, so ``KeepBest(3, metric="val_loss")`` and
+    ``ckpt_path="best"`` work.
+    """
+
+    #: The Lightning package (``lightning.pytorch`` or ``pytorch_lightning``) and the
+    #: CheckpointIO class built on it; set by the concrete class.
+    _pl: Any = None
+    _io_class: Any = None
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        run: str,
+        save: SavePolicy | None = None,
+        keep: KeepPolicy | None = None,
+        async_save: bool = True,
+        unsupported_hparams: Literal["error", "str"] = "error",
+        save_rng: bool = True,
+        **manager_options: Any,
+    ) -> None:
+        if unsupported_hparams not in ("error", "str"):
+            raise ValueError(
+                f"unsupported_hparams must be 'error' or 'str', got {unsupported_hparams!r}"
+            )
+        self.root = root
+        self.run = run
+        self.save_policy = save if save is not None else Every(epochs=1)
+        self.keep_policy = keep
+        self.async_save = async_save
+        self.unsupported_hparams = unsupported_hparams
+        self.save_rng = save_rng
+        self.manager_options = manager_options
+        self.manager: CheckpointManager | None = None
+        self.last_restore: RestoreInfo | None = None
+        self._io: CheckpointIOMixin | None = None
+        self._boundary: int | None = None
+        self._due: tuple[int, int | None, dict[str, float]] | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._at_epoch_end = False
+
+    # ------------------------------------------------------------------ Lightning paths
+    @property
+    def resume_path(self) -> str | None:
+        """``"stepvault:latest"`` when the run has a full checkpoint, else None.
+
+        Pass it as ``trainer.fit(..., ckpt_path=ckpt.resume_path)``: the same command line
+        starts fresh the first time and resumes after every interruption. Which checkpoint
+        is taken is decided when Lightning loads it: the newest that verifies.
+        """
+        return f"{PREFIX}latest" if has_full_checkpoint(self.root, self.run) else None
+
+    @property
+    def last_model_path(self) -> str:
+        """Lightning's name for :attr:`resume_path` (``""`` when there is none)."""
+        return self.resume_path or ""
+
+    @property
+    def best_model_path(self) -> str:
+        """``"stepvault:best"`` when a best metric is configured, so ``ckpt_path="best"`` works."""
+        if self._best() is None or not has_full_checkpoint(self.root, self.run):
+            return ""
+        return f"{PREFIX}best"
+
+    def _best(self) -> tuple[str, str] | None:
+        metric = self.manager_options.get("best_metric")
+        if metric is not None:
+            return metric, self.manager_options.get("best_mode", "min")
+        from ..policy import KeepAny, KeepBest
+
+        todo = [self.keep_policy]
+        while todo:
+            p = todo.pop(0)
+            if isinstance(p, KeepBest):
+                return p.metric, p.mode
+            if isinstance(p, KeepAny):
+                todo.extend(p.policies)
+        return None
+
+    # ------------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy.checkpoint_io, CheckpointIOMixin):
+            self._io = self._io_class(self, strategy.checkpoint_io)
+            strategy.checkpoint_io = self._io
+        if stage != "fit":
+            return
+        if trainer.world_size > 1:
+            raise StepvaultError(
+                "StepvaultCheckpoint supports single-process training for now "
+                f"(this Trainer has {trainer.world_size} processes); see INTEGRATIONS.md"
+            )
+        if self.manager is None:
+            options = dict(self.manager_options)
+            if trainer.max_steps and trainer.max_steps > 0:
+                options.setdefault("total_steps", trainer.max_steps)  # lets LastStep() fire
+            self.manager = CheckpointManager(
+                self.root,
+                self.run,
+                save=self.save_policy,
+                keep=self.keep_policy,
+                async_save=self.async_save,
+                **options,
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Restored (or fresh) step: a boundary already behind us.
+        self._boundary = trainer.global_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning stores no RNG state; this callback adds Python/numpy/torch RNGs so
+        that dropout, shuffles and augmentations continue exactly after a resume."""
+        if not self.save_rng:
+            return {}
+        return {"rng": RNGState().state_dict(), "at_epoch_end": self._at_epoch_end}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        rng = state_dict.get("rng") if self.save_rng else None
+        if rng is None:
+            return
+        if state_dict.get("at_epoch_end"):
+            # Lightning goes straight to the next epoch and builds its data iterator
+            # before any batch hook; that iterator must draw from the restored RNG, as
+            # the next epoch's iterator did in the run that saved.
+            RNGState().load_state_dict(rng)
+        else:
+            # Mid-epoch: the data iterator is rebuilt (drawing a seed) before the first
+            # batch; the run that saved had built it already. Apply at the first batch.
+            self._pending_rng = rng
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._pending_rng is not None:
+            rng, self._pending_rng = self._pending_rng, None
+            RNGState().load_state_dict(rng)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        step = trainer.global_step
+        # Only optimizer-step boundaries: with gradient accumulation several batches end at
+        # the same global step, and a save in the middle would lose the accumulated grads.
+        if step == self._boundary or trainer.sanity_checking or trainer.fast_dev_run:
+            return
+        self._boundary = step
+        mgr = self.manager
+        if mgr is None:
+            return
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        self._at_epoch_end = bool(getattr(progress, "is_last_batch", False))
+        epoch = trainer.current_epoch + (1 if self._at_epoch_end else 0)
+        if not mgr.should_save(step, epoch):
+            return
+        self._due = (step, epoch, finite_metrics(trainer.callback_metrics))
+        try:
+            trainer.save_checkpoint(f"{PREFIX}{step}", weights_only=False)
+        finally:
+            self._due = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.manager is not None:
+            self.manager.wait()  # the last save is committed when fit() returns
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._close(quiet=True)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close(quiet=False)
+        if self._io is not None and trainer.strategy.checkpoint_io is self._io:
+            trainer.strategy.checkpoint_io = self._io.wrapped  # the trainer without us again
+        self._io = None
+
+    def _close(self, *, quiet: bool) -> None:
+        mgr, self.manager = self.manager, None
+        if mgr is None:
+            return
+        try:
+            mgr.close()
+        except BaseException:
+            if not quiet:
+                raise
+
+    # ------------------------------------------------------------------ save and load
+    def _split(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's checkpoint dict as a stepvault state (model weights + the rest)."""
+        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        hparams = rest.get("hyper_parameters")
+        if isinstance(hparams, dict) and self.unsupported_hparams == "str":
+            found: list[str] = []
+            rest["hyper_parameters"] = _stringify_unencodable(hparams, "hyper_parameters", found)
+            if found:
+                warnings.warn(
+                    "stepvault: stored the repr of hyperparameters the safe encoding refuses: "
+                    + ", ".join(found),
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return {MODEL_KEY: _StateDictView(checkpoint.get("state_dict", {})), LIGHTNING_KEY: rest}
+
+    def _store_checkpoint(self, checkpoint: dict[str, Any], step: int) -> None:
+        """Called by the plugin with Lightning's checkpoint dict for ``stepvault:<step>``."""
+        mgr = self.manager
+        if mgr is None:
+            raise StepvaultError(
+                "saving to a stepvault: path needs a fitting Trainer with StepvaultCheckpoint"
+            )
+        due = self._due if self._due is not None and self._due[0] == step else None
+        epoch = due[1] if due else checkpoint.get("epoch")
+        metrics = due[2] if due else {}
+        metadata = {
+            "framework": "lightning",
+            "lightning_version": self._pl.__version__,
+            "stepvault_version": __version__,
+        }
+        try:
+            # A due save follows the policy's decision (its kind, urgency, exit); a direct
+            # trainer.save_checkpoint("stepvault:N") always saves a full checkpoint.
+            mgr.save(
+                step,
+                self._split(checkpoint),
+                epoch=epoch,
+                metrics=metrics,
+                metadata=metadata,
+                force=due is None,
+            )
+        except UnsupportedTypeError as exc:
+            raise UnsupportedTypeError(
+                f"{exc}\n(state['lightning'] is Lightning's checkpoint dict: callbacks' "
+                "state_dict(), on_save_checkpoint() additions and save_hyperparameters(); "
+                "state['model'] is the module's state_dict)"
+            ) from None
+
+    def load(self, step: int | Literal["latest", "best"] = "latest") -> dict[str, Any]:
+        """Lightning's checkpoint dict of ``step``, read and verified from the store.
+
+        ``"latest"`` is the newest full checkpoint that verifies (damaged ones are skipped,
+        reported in :attr:`last_restore`); an int is exactly that step.
+        """
+        holder: dict[str, Any] = {MODEL_KEY: None, LIGHTNING_KEY: None}
+        if self.manager is not None:
+            info = self.manager.restore(holder, step, strict=False)
+            if info is None:
+                raise StepvaultError(
+                    f"run {self.run!r} has no checkpoint in {self.root}: start without "
+                    "ckpt_path (ckpt.resume_path is None on a fresh start)"
+                )
+        else:
+            info = read_checkpoint(self.root, self.run, holder, step, best=self._best())
+        self.last_restore = info
+        for skipped in info.skipped:
+            warnings.warn(
+                f"stepvault: skipped damaged checkpoint {self.run}@{skipped.step}: "
+                f"{skipped.reason}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if holder[LIGHTNING_KEY] is None:
+            # A weights-only checkpoint: enough for validate/test/predict; fit() stops with
+            # Lightning's own "checkpoint contains only the model" error.
+            weights = holder[MODEL_KEY] or {}
+            return {"state_dict": weights, "pytorch-lightning_version": self._pl.__version__}
+        checkpoint = dict(holder[LIGHTNING_KEY])
+        checkpoint["state_dict"] = holder[MODEL_KEY] or {}
+        return checkpoint
