@@ -284,3 +284,26 @@ def test_disk_full_training_continues(small_fs, async_save):
     assert stepvault.verify(small_fs, deep=True).ok
     events = [e["event"] for e in read_events(stepvault.open(small_fs).store, "r")]
     assert events.count("save_failed") == 2
+
+
+def test_symlinked_directories_inside_the_store_are_never_followed(tmp_path):
+    store = tmp_path / "store"
+    _two(store)
+    outside = tmp_path / "outside"
+    stepvault.save(outside, {"w": torch.randn(10)}, run="evil", step=1)
+    before = sorted(p.relative_to(outside) for p in outside.rglob("*"))
+    # A run directory and an object fan-out directory that point outside the store.
+    (store / "runs" / "evil").symlink_to(outside / "runs" / "evil", target_is_directory=True)
+    fan = next((store / "objects").iterdir())
+    hidden = tmp_path / "fan"
+    fan.rename(hidden)
+    fan.symlink_to(hidden, target_is_directory=True)
+    vault = stepvault.open(store)
+    assert vault.steps("evil") == []  # nothing under the symlink is listed or read
+    with pytest.raises(stepvault.StepvaultError):
+        stepvault.restore(store, {"w": torch.zeros(10)}, run="evil", step=1)
+    report = stepvault.verify(store, deep=True)
+    assert not report.ok  # the objects behind the symlinked fan-out dir count as missing
+    with pytest.raises(OSError, match="symlink inside the store"):
+        stepvault.save(store, {"w": torch.randn(10)}, run="evil", step=2)
+    assert sorted(p.relative_to(outside) for p in outside.rglob("*")) == before

@@ -61,6 +61,8 @@ def _check_object_quick(store: Store, digest: str, expected_size: int) -> str | 
         size = store.object_size(digest)
     except FileNotFoundError:
         return "missing"
+    except OSError as exc:  # e.g. ELOOP: a symlink planted in the store
+        return f"cannot be read safely: {exc.strerror or exc}"
     if size != expected_size:
         return f"size {size} bytes, manifest says {expected_size} (truncated or replaced)"
     return None

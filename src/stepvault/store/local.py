@@ -45,7 +45,21 @@ class LocalBackend(Backend):
 
     # -- helpers -----------------------------------------------------------------------
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *check_key(key).split("/"))
+        """The file of ``key``; refuses a key whose directories include a symlink.
+
+        A symlinked directory planted in the store (``runs/x -> /elsewhere``) would make
+        reads, listings and writes reach outside the store; the last component is opened
+        with ``O_NOFOLLOW`` by each operation.
+        """
+        parts = check_key(key).split("/")
+        path = str(self.root)
+        for part in parts[:-1]:
+            path = os.path.join(path, part)
+            if os.path.islink(path):
+                raise OSError(
+                    errno.ELOOP, f"{key}: {path} is a symlink inside the store; refused", path
+                )
+        return os.path.join(path, parts[-1])
 
     def _ensure_dir(self, path: str) -> None:
         if path in self._made_dirs:
@@ -101,13 +115,22 @@ class LocalBackend(Backend):
         return os.path.lexists(self._path(key))
 
     def list(self, prefix: str) -> list[str]:
-        path = self._path(prefix) if prefix else str(self.root)
+        """Names under ``prefix``; nothing under a symlinked directory is ever listed.
+
+        (A symlink *file* is listed, so that verify can report it; every read opens it
+        with ``O_NOFOLLOW`` and fails.)
+        """
         try:
+            path = self._path(prefix) if prefix else str(self.root)
+            if prefix and os.path.islink(path):
+                return []
             return sorted(os.listdir(path))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        except NotADirectoryError:
-            return []
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return []
+            raise
 
     # -- writes ------------------------------------------------------------------------
     def put_atomic(
