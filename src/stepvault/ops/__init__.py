@@ -3,6 +3,7 @@
 from .export import ExportReport, dequantize_int8, export_weights, quantize_int8
 from .gc import GCResult, collect_garbage
 from .importing import UntrustedInputError, import_dcp
+from .migrate import ImportReport, import_checkpoint, import_checkpoints
 from .repair import RepairReport, repair_store
 from .signatures import SignatureReport, sign_existing, verify_signatures
 from .usage import RunUsage, StoreUsage, store_usage, usage
@@ -12,6 +13,7 @@ __all__ = [
     "CheckpointReport",
     "ExportReport",
     "GCResult",
+    "ImportReport",
     "RepairReport",
     "RunUsage",
     "SignatureReport",
@@ -21,6 +23,8 @@ __all__ = [
     "collect_garbage",
     "dequantize_int8",
     "export_weights",
+    "import_checkpoint",
+    "import_checkpoints",
     "import_dcp",
     "quantize_int8",
     "repair_store",
