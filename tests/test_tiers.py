@@ -235,6 +235,42 @@ def test_restore_prefers_hot_and_reads_cold_only_when_needed(tmp_path):
     assert equal(state_of(m3), state_of(m))
 
 
+def test_a_damaged_hot_copy_is_restored_from_the_archive(tmp_path):
+    hot_root = tmp_path / "hot"
+    m = model(18)
+    with CheckpointManager(
+        hot_root,
+        "r",
+        tiers={"archive": tmp_path / "cold"},
+        tier_policy=CopyEvery("archive", steps=1),
+    ) as mgr:
+        mgr.save(1, {"model": m})
+        m2 = model(19)
+        mgr.save(2, {"model": m2})
+
+    def rot(step: int) -> Path:  # bit rot in the hot copy only
+        digest = next(iter(stepvault.open(hot_root).manifest("r", step).objects))
+        path = hot_root / Store.object_key(digest)
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        return path
+
+    bad = rot(1)
+    target = model(20)
+    info = stepvault.restore(hot_root, {"model": target}, run="r", step=1)
+    assert info.step == 1 and equal(state_of(target), state_of(m))
+    assert "quarantine" in info.skipped[0].reason  # the damage is reported, not hidden
+    assert not bad.exists()  # the bad hot object is out of the way of future dedup
+    # The manager takes the same way: newest step, damaged in hot, good in the archive.
+    rot(2)
+    with CheckpointManager(hot_root, "r") as mgr:
+        target = model(21)
+        info = mgr.restore({"model": target})
+        assert info.step == 2 and equal(state_of(target), state_of(m2))
+        assert len(info.skipped) == 1
+
+
 def test_cold_tier_codec_reencodes_for_size(tmp_path):
     hot = Store.open(tmp_path / "hot", create=True)
     m = model(12, width=256)

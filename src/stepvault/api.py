@@ -448,7 +448,7 @@ def restore(
         if missing_ok:
             return None
         raise
-    from .tiers.view import read_view, read_workers
+    from .tiers.view import read_view, read_workers, with_copies
 
     store = read_view(store)  # a store with cold tiers restores from any tier, hot first
     workers = workers or read_workers(store)  # many parallel fetches from object stores
@@ -468,13 +468,14 @@ def restore(
             store,
             state,
             run,
-            list(reversed(steps)),
+            with_copies(store, run, list(reversed(steps))),  # a damaged copy: another tier's
             fallback=True,
             strict=strict,
             workers=workers,
         )
+    explicit = with_copies(store, run, [validate_step(step)])  # the same step, any tier
     return restore_candidates(
-        store, state, run, [validate_step(step)], fallback=False, strict=strict, workers=workers
+        store, state, run, explicit, fallback=len(explicit) > 1, strict=strict, workers=workers
     )
 
 

@@ -782,6 +782,12 @@ class CheckpointManager:
             box = [candidates]
             torch.distributed.broadcast_object_list(box, src=0)
             candidates = box[0]
+        if self._view is not self.store and not self._dist:
+            from ..tiers.view import with_copies
+
+            # A damaged hot copy is quarantined, then the same step is read from a cold tier.
+            candidates = with_copies(self._view, self.run, candidates)
+            fallback = fallback or len(candidates) > 1
         if not candidates:
             self._event("restore", step=None, result="fresh start")
             return None

@@ -160,8 +160,13 @@ class FsspecBackend(Backend):
         mode = "create" if create else "overwrite"
         if self.is_s3:
             self.fs.pipe_file(path, data, mode=mode, chunksize=self.part_size)
-        else:
+            return
+        try:
             self.fs.pipe_file(path, data, mode=mode)
+        except TypeError:  # a filesystem package too old to know mode="create"
+            if create and self.fs.exists(path):
+                raise FileExistsError(path) from None
+            self.fs.pipe_file(path, data)  # best effort: the run's lease keeps writers apart
 
     def delete(self, key: str) -> None:
         try:

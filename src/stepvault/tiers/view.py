@@ -201,3 +201,19 @@ def read_workers(store: Store) -> int | None:
     stores = [s for _, s in store._stores()] if isinstance(store, TieredView) else [store]
     remote = any(not isinstance(s.backend, LocalBackend) for s in stores)
     return REMOTE_READ_WORKERS if remote else None
+
+
+def with_copies(store: Store, run: str, steps: list[int]) -> list[int]:
+    """Restore candidates with each step listed once per tier that holds it.
+
+    A restore that finds a damaged object quarantines it in the tier it came from (hot
+    first) and moves on; trying the same step again then reads that object from the next
+    tier that has it, so a good archived copy is used before falling back to an older step.
+    """
+    if not isinstance(store, TieredView):
+        return steps
+    counts: dict[int, int] = {}
+    for held in store.steps_by_tier(run).values():
+        for step in held:
+            counts[step] = counts.get(step, 0) + 1
+    return [s for step in steps for s in [step] * max(1, counts.get(step, 1))]
