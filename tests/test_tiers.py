@@ -30,6 +30,7 @@ from stepvault.tiers import (
     HotLast,
     MoveAfter,
     TieredView,
+    TierError,
     Tiers,
     TierSpec,
     add_tier,
@@ -148,6 +149,21 @@ def test_manager_moves_in_background_and_restores_from_any_tier(tmp_path):
     assert events.count("tier_copy") == 3 and "tier_evict" in events
     for store in (Store.open(hot), Store.open(cold)):
         assert ops.verify_store(store, deep=True).ok
+
+
+def test_unknown_tier_in_a_policy_is_refused_up_front(tmp_path):
+    with pytest.raises(TierError, match=r"no tier named 'archve'.*tiers: hot, archive"):
+        CheckpointManager(
+            tmp_path / "hot",
+            "r",
+            tiers={"archive": tmp_path / "cold"},
+            tier_policy=CopyEvery("archve", steps=5),
+        )
+    with CheckpointManager(tmp_path / "hot", "r") as mgr:  # no lease was left behind
+        mgr.save(1, {"model": model(0)})
+    # Reading never creates a tier store: an archive that does not exist yet is skipped.
+    assert not (tmp_path / "cold" / "stepvault.json").exists()
+    assert stepvault.open(tmp_path / "hot").steps("r") == [1]
 
 
 def test_keep_policy_waits_for_the_mover(tmp_path):

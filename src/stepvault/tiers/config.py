@@ -152,12 +152,21 @@ class Tiers:
             ) from None
 
     def __getitem__(self, name: str) -> Store:
+        return self.get(name)
+
+    def get(self, name: str, *, create: bool = True) -> Store:
+        """The store of tier ``name``; ``create=False`` (readers) never initialises one."""
         store = self._stores.get(name)
         if store is None:
             spec = self.spec(name)
-            defaults = {k: self.hot.settings[k] for k in _INHERITED if k in self.hot.settings}
-            defaults["codec"] = "raw" if spec.codec == "keep" else spec.codec
-            store = open_tier_store(spec.url, spec.options, defaults)
+            if not create:
+                from ..store import backend_for
+
+                store = Store.open(backend_for(spec.url, **spec.options))
+            else:
+                defaults = {k: self.hot.settings[k] for k in _INHERITED if k in self.hot.settings}
+                defaults["codec"] = "raw" if spec.codec == "keep" else spec.codec
+                store = open_tier_store(spec.url, spec.options, defaults)
             self._stores[name] = store
         return store
 

@@ -41,7 +41,7 @@ class TieredView(Store):
             store = self._usable.get(name)
             if store is None:
                 try:
-                    store = self._usable[name] = self.tiers[name]
+                    store = self._usable[name] = self.tiers.get(name, create=False)
                 except (StepvaultError, OSError) as exc:
                     # An unreachable archive must not stop a restore from hot.
                     self.unreachable[name] = str(exc)
