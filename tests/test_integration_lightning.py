@@ -87,6 +87,15 @@ def _fit(root, *, stop=None, resume=False, save=None, keep=None, model=None, **k
     return model, ckpt
 
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is faster, and steadier on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 def _same(a, b) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -152,6 +152,8 @@ class CheckpointMixin:
             a warning). Hyperparameters are not needed to resume, only to rebuild a
             module from a checkpoint; anything else that cannot be encoded always fails
             with its key path (register a converter with ``stepvault.register_type``).
+        save_rng: also store the Python, numpy and torch RNG states (Lightning saves
+            none), so that dropout, shuffles and augmentations continue exactly.
         manager_options: passed to :class:`~stepvault.CheckpointManager` (``if_busy``,
             ``codec``, ``best_metric``, ``best_mode``, ``on_save_error``, ``workers``,
             ``gc_grace_seconds``, ``lease_stale_after``, ``prometheus``).
@@ -265,6 +267,11 @@ class CheckpointMixin:
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Restored (or fresh) step: a boundary already behind us.
         self._boundary = trainer.global_step
+        mgr = self.manager
+        if mgr is not None and mgr.total_steps is None:
+            total = trainer.estimated_stepping_batches  # lets LastStep() fire (epoch-based runs)
+            if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
+                mgr.total_steps = int(total)
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning stores no RNG state; this callback adds Python/numpy/torch RNGs so

@@ -149,6 +149,11 @@ def load_state(
     """``accelerator.load_state`` from the store: the newest checkpoint that verifies
     (``step="latest"``, falling back past damaged ones) or exactly ``step``.
 
+    Like :func:`stepvault.restore`, ``"latest"`` means the newest checkpoint of the run;
+    :func:`save_state` always writes full ones. For a run that also has weights-only
+    checkpoints (a ``what="weights"`` save policy), use
+    :meth:`AcceleratorCheckpointer.restore`, which takes the newest *full* checkpoint.
+
     Everything is read and verified, and checked against the live objects, before
     anything changes. The plain values of ``extra`` are replaced in that dict. Returns
     None when the run has no checkpoint and ``missing_ok``.

@@ -134,7 +134,9 @@ class StepvaultCallback(TrainerCallback):
 
     # ---------------------------------------------------------------- Trainer events
     def on_train_begin(self, args, state, control, **kwargs):
-        self.open(state.max_steps or None)
+        mgr = self.open(state.max_steps or None)
+        if mgr.total_steps is None and state.max_steps:
+            mgr.total_steps = state.max_steps  # opened by a resume, before max_steps was known
 
     def _decide(self, state, control) -> None:
         if self.save_policy is None:
@@ -188,6 +190,11 @@ class StepvaultTrainerMixin:
             raise StepvaultError(
                 "the stepvault Trainer integration supports single-process training for "
                 "now (no DDP/DeepSpeed/FSDP); see INTEGRATIONS.md"
+            )
+        if self.model_init is not None:
+            raise StepvaultError(
+                "model_init is not supported by the stepvault Trainer integration (train() "
+                "would build a new model after the checkpoint was loaded into the old one)"
             )
         if args.load_best_model_at_end:
             raise StepvaultError(
