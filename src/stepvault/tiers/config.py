@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import StepvaultError
@@ -191,7 +191,7 @@ def open_tier_store(
 def spec_for(name: str, target: Any, codec: str = "keep") -> TierSpec:
     """A TierSpec for ``target`` (a URL or path; Backends/Stores are not recordable)."""
     if isinstance(target, TierSpec):
-        return target
+        return target if target.name == name else replace(target, name=check_tier_name(name))
     if isinstance(target, Store | Backend):
         url = target.backend.url if isinstance(target, Store) else target.url
         return TierSpec(check_tier_name(name), url, codec)

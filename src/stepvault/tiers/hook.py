@@ -8,7 +8,7 @@ from typing import Any
 
 from ..engine.gc import DEFAULT_GRACE_SECONDS
 from ..store import Backend, Store
-from .config import Tiers, TierSpec, add_tier, read_tier_specs, spec_for
+from .config import Tiers, add_tier, read_tier_specs, spec_for
 from .mover import TierMover
 from .policy import TierPolicy
 from .view import TieredView
@@ -44,11 +44,7 @@ def setup_tiers(
     specs = read_tier_specs(hot)
     for name in tiers or {}:
         if not any(s.name == name for s in specs):  # another rank records it
-            specs.append(
-                spec_for(name, tiers[name])
-                if not isinstance(tiers[name], TierSpec)
-                else tiers[name]
-            )
+            specs.append(spec_for(name, tiers[name]))
     opened = Tiers(hot, specs, stores)
     view: Store = TieredView(opened) if opened.cold_names else hot
     mover = None
