@@ -69,13 +69,17 @@ def _loader():
     return stateful.StatefulDataLoader(ds, batch_size=4, shuffle=True)
 
 
-def _fit(root, *, stop=None, resume=False, save=None, keep=None, model=None, **kw):
+def _fit(
+    root, *, stop=None, resume=False, save=None, keep=None, model=None, max_steps=25,
+    accumulate_grad_batches=1, **kw,
+):
     pl.seed_everything(1, verbose=False)
     ckpt = StepvaultCheckpoint(
         root, run="r", save=save or Every(steps=7), keep=keep or KeepLast(2), **kw
     )
     trainer = pl.Trainer(
-        max_steps=25,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate_grad_batches,
         callbacks=[ckpt] + ([StopAt(stop)] if stop else []),
         logger=False,
         enable_progress_bar=False,
@@ -118,6 +122,21 @@ def test_stop_and_resume_mid_epoch_is_bitwise_equal(tmp_path):
     # The weights are the checkpoint's module: what `stepvault export` writes.
     exported = dict(weight_tensors(vault, "r", 21, None))
     assert sorted(exported) == sorted(resumed.state_dict())
+
+
+def test_gradient_accumulation_saves_only_at_optimizer_steps(tmp_path):
+    # A time policy that is due at every boundary: with two batches per optimizer step,
+    # a save must never land between the two (the accumulated gradients are not saved).
+    args = dict(save=Every(seconds=0.001), keep=KeepLast(3), accumulate_grad_batches=2)
+    reference, _ = _fit(tmp_path / "ref", max_steps=12, **args)
+    _, ckpt = _fit(tmp_path / "s", stop=7, max_steps=12, **args)
+    assert stepvault.open(tmp_path / "s").steps("r") == [5, 6, 7]
+    for step in (5, 6, 7):
+        loops = ckpt.load(step)["loops"]["fit_loop"]
+        assert loops["epoch_loop.batch_progress"]["total"]["processed"] == 2 * step
+    resumed, ckpt = _fit(tmp_path / "s", resume=True, max_steps=12, **args)
+    assert ckpt.last_restore.step == 7
+    assert _same(reference, resumed)
 
 
 def test_resume_skips_a_damaged_checkpoint(tmp_path):
