@@ -33,7 +33,8 @@ def _spawn(world: int, task: str, root: Path, out: Path) -> None:
     )
     for rank in range(world):
         result = (out / f"rank{rank}.txt").read_text()
-        assert result == "ok", f"rank {rank}: {result}"
+        if result != "ok":  # the whole traceback of the rank, not a truncated diff
+            pytest.fail(f"rank {rank} of {world} ({task}):\n{result}", pytrace=False)
 
 
 def _plain_state(zeros: bool = True) -> dict:
