@@ -84,6 +84,19 @@ def test_run_all_quick_rewrites_every_section_and_the_plot(tmp_path):
     assert "(a) half the layers frozen" in inc and "(b) full fine-tune" in inc
     scale = text.split("<!-- scale:begin -->")[1].split("<!-- scale:end -->")[0]
     assert "stepvault ls RUN" in scale and "300 tensors" in scale
+    # The core section (its own smoke test lives here now: one run of the suite covers it).
+    core = text.split("<!-- core:begin -->")[1].split("<!-- core:end -->")[0]
+    assert "| metric | target | measured | result |" in core
+    for metric in (
+        "restore into existing tensors",
+        "float codec ratio, MiniLM bf16",
+        "durable save",
+    ):
+        assert metric in core, metric
+    results = core.split("### Results")[1].split("\n\n")[1].splitlines()[2:]
+    assert len(results) >= 10
+    assert all(row.rsplit("|", 2)[1].strip() in ("PASS", "MISS", "info") for row in results)
+    assert any(" PASS |" in row or " MISS |" in row for row in results)
     # Every script exited 0 and the scratch space is gone (the real BENCHMARKS.md untouched).
     assert "| bench_dist.py | 0 |" in summary
     assert not any(work.iterdir())

@@ -7,8 +7,8 @@ import json
 import torch
 
 import stepvault
+from stepvault.engine.summaries import cache_key, log_key
 from stepvault.format.hashing import content_hash
-from stepvault.summary_cache import cache_key
 
 
 def _run(root, n=4):
@@ -109,3 +109,35 @@ def test_deleted_checkpoints_leave_the_cache(tmp_path):
     assert [s.step for s in vault.checkpoints("r")] == [1, 2, 3]
     _, body = (tmp_path / cache_key("r")).read_bytes().split(b"\n", 1)
     assert len(json.loads(body)) == 3
+
+
+def test_the_writer_logs_summaries_so_the_first_listing_parses_nothing(tmp_path):
+    _run(tmp_path)
+    log = tmp_path / log_key("r")
+    lines = log.read_bytes().splitlines()
+    assert len(lines) == 4
+    # Rewrite one record (with a valid record checksum): the first listing shows it, so it
+    # came from the log, not from parsing the (intact, verified) manifest.
+    rec = json.loads(lines[2])
+    rec["s"][4] = {"loss": -2.0}
+    rec["h"] = content_hash(json.dumps([rec["d"], rec["s"]], separators=(",", ":")).encode())
+    lines[2] = json.dumps(rec).encode()
+    lines[3] = lines[3][:-7] + b"garbage"  # a torn line is ignored (that step is parsed)
+    log.write_bytes(b"\n".join(lines) + b"\n")
+    listed = stepvault.open(tmp_path).checkpoints("r")
+    assert [s.metrics["loss"] for s in listed] == [1.0, 0.5, -2.0, 0.25]
+    # The listing compacted the log into summaries.json and removed it.
+    assert not log.exists() and (tmp_path / cache_key("r")).exists()
+    assert [s.metrics["loss"] for s in stepvault.open(tmp_path).checkpoints("r")] == [
+        1.0,
+        0.5,
+        -2.0,
+        0.25,
+    ]
+
+
+def test_logged_summaries_equal_parsed_ones(tmp_path):
+    _run(tmp_path)
+    from_log = _fields(stepvault.open(tmp_path).checkpoints("r"))
+    (tmp_path / cache_key("r")).unlink()
+    assert _fields(stepvault.open(tmp_path).checkpoints("r")) == from_log

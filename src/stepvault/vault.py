@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine import CheckpointReader
+from .engine.summaries import SummaryCache, summary_of, verified_body_digest
 from .errors import CheckpointNotFoundError, IntegrityError, InvalidNameError, StepvaultError
 from .format import Manifest, decode_value, parse_manifest
 from .store import Store, validate_run_name
 from .store.annotations import manifest_id, merged_metrics, read_annotations
-from .summary_cache import SummaryCache, verified_body_digest
 
 _REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?")
 
@@ -149,7 +149,7 @@ class Vault:
 
         Every manifest is read and its checksum verified; one that was summarised before
         (same checksum) is not parsed again: its summary comes from the run's summary
-        cache (see :mod:`stepvault.summary_cache`), which makes long runs list fast.
+        cache (see :mod:`stepvault.engine.summaries`), which makes long runs list fast.
         """
         cache = SummaryCache(self.store, run)
         annotations = read_annotations(self.store, run)
@@ -160,18 +160,7 @@ class Vault:
                 digest = verified_body_digest(data)
                 summary = cache.get(digest, step) if digest else None
                 if summary is None:
-                    m = parse_manifest(data, f"{run}@{step}")
-                    summary = {
-                        "step": step,
-                        "epoch": m.epoch,
-                        "created": m.created,
-                        "kind": m.kind,
-                        "metrics": dict(m.metrics),
-                        "logical_bytes": m.logical_bytes,
-                        "stored_bytes": m.stored_bytes,
-                        "new_bytes": int(m.stats.get("new_bytes", 0)),
-                        "tensors": len(m.tensors),
-                    }
+                    summary = summary_of(parse_manifest(data, f"{run}@{step}"))
                     if digest:
                         cache.put(digest, summary)
             except (IntegrityError, StepvaultError) as exc:

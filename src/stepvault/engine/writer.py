@@ -24,6 +24,7 @@ from ..format.manifest import Manifest, ObjectEntry, TensorEntry, serialize_mani
 from ..format.objects import encode_object
 from ..store import Store
 from .staging import HostArray
+from .summaries import record_commit
 
 
 def default_workers() -> int:
@@ -182,10 +183,10 @@ def write_checkpoint(
         before_commit()
     stats.seconds = time.perf_counter() - t0
     manifest.stats = stats.to_json()
-    store.commit_manifest(
-        manifest.run, manifest.step, serialize_manifest(manifest), overwrite=overwrite
-    )
+    data = serialize_manifest(manifest)
+    store.commit_manifest(manifest.run, manifest.step, data, overwrite=overwrite)
     stats.seconds = time.perf_counter() - t0
+    record_commit(store, manifest, data)  # after the commit: listings find it summarised
     return stats
 
 
