@@ -25,7 +25,7 @@ from transformers import (  # noqa: E402
 )
 
 import stepvault  # noqa: E402
-from stepvault import Every, KeepLast  # noqa: E402
+from stepvault import Every, KeepBest, KeepLast  # noqa: E402
 from stepvault.integrations.transformers import StepvaultCallback, StepvaultTrainer  # noqa: E402
 
 
@@ -121,6 +121,39 @@ def test_without_a_policy_the_save_strategy_decides(tmp_path):
     _train(tmp_path, tmp_path / "s", save=None, save_strategy="steps", save_steps=5)
     assert stepvault.open(tmp_path / "s").steps("gpt") == [10, 15]  # 5 was dropped by KeepLast
     assert not [d for d in os.listdir(tmp_path / "out") if d.startswith("checkpoint-")]
+
+
+def test_eval_metrics_are_checkpoint_metrics_for_keep_best(tmp_path):
+    class Record(TrainerCallback):
+        def __init__(self) -> None:
+            self.seen: dict[int, float] = {}
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.seen[state.global_step] = metrics["eval_loss"]
+
+    record = Record()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    ckpt = StepvaultCallback(tmp_path / "s", run="gpt", save=Every(steps=3),
+                             keep=KeepBest(1, metric="eval_loss", mode="max") | KeepLast(1))
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=4,
+        learning_rate=5e-3, report_to=[], use_cpu=True, eval_strategy="steps", eval_steps=3,
+        logging_steps=3, disable_tqdm=True, seed=0,
+    )
+    trainer = StepvaultTrainer(model=GPT2LMHeadModel(config), args=args,
+                               train_dataset=Tokens(), eval_dataset=Tokens(),
+                               callbacks=[ckpt, record])
+    trainer.train()
+    assert sorted(record.seen) == [3, 6, 9, 12]
+    # mode="max" (the *worst* loss) so that the kept step is not simply the last one, which
+    # it would be here since the eval loss keeps falling.
+    best = max(record.seen, key=lambda step: (record.seen[step], step))
+    assert best != 12
+    summaries = {c.step: c for c in stepvault.open(tmp_path / "s").checkpoints("gpt")}
+    assert set(summaries) == {best, 12}
+    assert summaries[best].metrics["eval_loss"] == pytest.approx(record.seen[best])
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
