@@ -166,3 +166,15 @@ def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference
     assert stepvault.verify(root, deep=True).ok
+
+
+def test_importing_stepvault_imports_no_trainer_framework():
+    import subprocess
+
+    code = (
+        "import sys, stepvault, stepvault.integrations\n"
+        "loaded = [m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate')"
+        " if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
