@@ -3,9 +3,9 @@
 Each trial kills a real training process (async saves with slowed object writes, a keep
 policy with immediate GC, and for odd seeds a cold tier that the mover copies every 6th
 step to in the background) at a random moment — mid-object write, between the last object
-and the manifest, during retention/GC, during a tier move — then checks that the store deep-verifies, that
-restore takes the newest committed checkpoint, and that training continued from there
-ends bitwise equal to an uninterrupted run.
+and the manifest, during retention/GC, during a tier move — then checks that the store
+deep-verifies, that restore takes the newest committed checkpoint, and that training
+continued from there ends bitwise equal to an uninterrupted run.
 """
 
 from __future__ import annotations
