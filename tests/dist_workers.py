@@ -352,3 +352,38 @@ def task_manager_async_fails_on_rank1(rank, world, root, out):
         storage.StepvaultWriter.write_data = original
     mgr.save(4, state)  # the manager keeps working after reporting the failure
     mgr.close()
+
+
+def task_manager_rank0_only(rank, world, root, out):
+    """A rank-local manager (collective=False) on rank 0 of a DDP job: what Lightning and the
+    HF Trainer do (they checkpoint on rank 0 only). Sharded state is refused."""
+    import stepvault
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.module, "optimizer": opt, "step": 0}
+    for step in range(1, 4):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        state["step"] = step
+        if rank == 0:
+            with stepvault.CheckpointManager(root, "r0", collective=False, async_save=True) as m:
+                m.save(step, state)
+        dist.barrier()  # the other ranks never call into stepvault
+    if rank == 0:
+        fresh = {"model": torch.nn.Linear(8, 4), "optimizer": None, "step": None}
+        fresh["optimizer"] = torch.optim.SGD(fresh["model"].parameters(), lr=0.1)
+        with stepvault.CheckpointManager(root, "r0", collective=False) as m:
+            assert m.restore(fresh).step == 3
+        assert torch.equal(fresh["model"].weight, model.module.weight)
+    mesh = init_device_mesh("cpu", (world,))  # collectives: every rank takes part
+    sharded = {"w": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])}
+    if rank == 0:
+        try:
+            with stepvault.CheckpointManager(root, "bad", collective=False) as m:
+                m.save(1, sharded)
+        except stepvault.StepvaultError as exc:
+            assert "sharded DTensors" in str(exc)
+        else:
+            raise AssertionError("sharded state saved from one rank")

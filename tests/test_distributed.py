@@ -329,3 +329,9 @@ def test_async_manager_failure_on_one_rank_surfaces_everywhere(tmp_path):
         assert "rank 1 lost its disk" in (tmp_path / f"err{rank}.txt").read_text()
     assert stepvault.open(tmp_path / "store").steps("ff") == [1, 4]
     assert stepvault.verify(tmp_path / "store", deep=True).ok
+
+
+def test_rank_local_manager_saves_from_rank_0_only(tmp_path):
+    _spawn(2, "manager_rank0_only", tmp_path / "store", tmp_path)
+    assert stepvault.open(tmp_path / "store").steps("r0") == [1, 2, 3]
+    assert "bad" not in stepvault.open(tmp_path / "store").runs()

@@ -289,3 +289,25 @@ def test_restore_into_non_contiguous_parameter(tmp_path):
     assert not other.weight.is_contiguous()
     stepvault.restore(tmp_path, {"model": other}, run="r")
     assert torch.equal(other.weight, model.weight)
+
+
+def test_latest_of_a_training_state_passes_over_weights_only_checkpoints(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    state = {"model": model, "optimizer": opt, "step": 1}
+    stepvault.save(tmp_path, state, run="r", step=1)
+    state["step"] = 2
+    stepvault.save(tmp_path, state, run="r", step=2, kind="weights")
+    fresh_model = torch.nn.Linear(4, 4)
+    fresh = {"model": fresh_model, "optimizer": torch.optim.SGD(fresh_model.parameters(), lr=0.1,
+             momentum=0.9), "step": None}
+    info = stepvault.restore(tmp_path, fresh, run="r")
+    assert info.step == 1 and fresh["step"] == 1 and info.skipped == []
+    weights = {"model": torch.nn.Linear(4, 4)}  # modules alone: the weights checkpoint is fine
+    assert stepvault.restore(tmp_path, weights, run="r").step == 2
+    stepvault.save(tmp_path / "w", {"model": model}, run="r", step=5, kind="weights")
+    with pytest.raises(stepvault.NoValidCheckpointError, match="only weights-only"):
+        stepvault.restore(tmp_path / "w", fresh, run="r")

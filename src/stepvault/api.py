@@ -369,13 +369,23 @@ def restore_candidates(
     fallback: bool,
     strict: bool = True,
     workers: int | None = None,
+    full_only: bool = False,
 ) -> RestoreInfo:
-    """Restore the first of ``candidates`` that verifies (all of them tried if ``fallback``)."""
+    """Restore the first of ``candidates`` that verifies (all of them tried if ``fallback``).
+
+    ``full_only`` passes over weights-only checkpoints (they cannot restore a training state
+    with an optimizer, step or RNG; they are not damaged, so not reported as skipped).
+    """
     t0 = time.perf_counter()
     skipped: list[SkippedCheckpoint] = []
+    weights_only_steps: list[int] = []
     for candidate in candidates:
         try:
             manifest, reader, meta_tree = _open_checkpoint(store, run, candidate, workers)
+            if full_only and manifest.kind != "full":
+                reader.release()
+                weights_only_steps.append(candidate)
+                continue
             # A checkpoint that does not fit the live state is the caller's mistake, not
             # damage: report it before reading a byte, and never fall back past it.
             problems = validate(state, meta_tree, manifest.state_kinds, strict=strict)
@@ -409,6 +419,12 @@ def restore_candidates(
             skipped=skipped,
             seconds=time.perf_counter() - t0,
             bytes_read=nbytes,
+        )
+    if weights_only_steps and not skipped:
+        raise NoValidCheckpointError(
+            f"run {run!r} has only weights-only checkpoints ({weights_only_steps[:5]}...), "
+            "which cannot restore a training state; restore the modules alone "
+            "({'model': model}) or save full checkpoints"
         )
     reasons = "\n  ".join(f"{s.step}: {s.reason}" for s in skipped)
     raise NoValidCheckpointError(
@@ -472,6 +488,8 @@ def restore(
             fallback=True,
             strict=strict,
             workers=workers,
+            # like the manager: "latest" of a training state is the newest *full* checkpoint
+            full_only=any(not isinstance(v, torch.nn.Module) for v in state.values()),
         )
     explicit = with_copies(store, run, [validate_step(step)])  # the same step, any tier
     return restore_candidates(

@@ -199,6 +199,10 @@ class CheckpointManager:
             steps=5)`` (:mod:`stepvault.tiers`); a background mover applies it after each
             commit (training never waits; ``close()`` lets it finish). Restores read from
             any tier, hot first. See STORAGE.md.
+        collective: None (default) makes the manager collective under a process group
+            (every rank calls ``save``). ``False`` makes it rank-local: for trainers that
+            save a replicated (DDP) model from rank 0 only (Lightning, the HF Trainer);
+            sharded DTensor state is then refused.
     """
 
     def __init__(
@@ -223,6 +227,7 @@ class CheckpointManager:
         signer: Signer | None = None,
         tiers: Mapping[str, Any] | None = None,
         tier_policy: Any = None,
+        collective: bool | None = None,
     ) -> None:
         if on_save_error not in ("raise", "warn"):
             raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
@@ -253,7 +258,10 @@ class CheckpointManager:
         # Under a process group every rank has a manager; rank 0 holds the lease, logs
         # events and applies retention, and saves are collective (asynchronous through DCP's
         # async_save on a dedicated gloo group when async_save=True).
-        self._dist = distributed_active()
+        if collective and not distributed_active():
+            raise ValueError("collective=True needs an initialised torch.distributed group")
+        self._dist = distributed_active() if collective is None else bool(collective)
+        self._local_only = collective is False  # a rank-local manager under a process group
         self._rank = torch.distributed.get_rank() if self._dist else 0
         # Cold tiers (recorded in the store) and, with a tier policy, the background mover
         # (rank 0 only); restores read through the view: any tier, hot first. STORAGE.md.
@@ -282,7 +290,7 @@ class CheckpointManager:
         self._last_save_step: int | None = None
         self._last_save_time: float | None = None
         self._save_cost: float | None = None
-        self._pending_decision: tuple[int, SaveDecision | None] | None = None
+        self._pending_decision: tuple[tuple[int, int | None], SaveDecision | None] | None = None
         self._heartbeat_error: BaseException | None = None
         self._metrics = None
         if prometheus:
@@ -398,7 +406,9 @@ class CheckpointManager:
         )
 
     def _decide(self, step: int, epoch: int | None) -> SaveDecision | None:
-        if self._pending_decision is not None and self._pending_decision[0] == step:
+        # should_save() then save() at one boundary ask once (and, under a process group,
+        # gather once); a call with another epoch at the same step is a new question.
+        if self._pending_decision is not None and self._pending_decision[0] == (step, epoch):
             return self._pending_decision[1]
         decision = self.save_policy.decide(self._context(step, epoch))
         if decision is not None and not decision.urgent and step == self._last_save_step:
@@ -407,7 +417,7 @@ class CheckpointManager:
             everyone: list[Any] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(everyone, decision)
             decision = merge_decisions([d for d in everyone if d is not None])
-        self._pending_decision = (step, decision)
+        self._pending_decision = ((step, epoch), decision)
         return decision
 
     # ------------------------------------------------------------------------- saving
@@ -454,6 +464,10 @@ class CheckpointManager:
         ctx = self._context(step, epoch)
         if self._dist:
             return self._save_collective(step, state, ctx, decision, epoch, metrics)
+        if self._local_only:
+            from ..api import _collective
+
+            _collective(state, False)  # refuses sharded DTensor state with a clear error
         background = self._bg is not None and not decision.urgent
         if self._bg is not None and self._bg.busy:
             if background and self.if_busy == "skip":
@@ -795,6 +809,11 @@ class CheckpointManager:
             if self._dist or any(
                 self._record(c).kind == "full" and self._is_sharded(c) for c in candidates[:1]
             ):
+                if self._local_only and distributed_active():
+                    raise StepvaultError(
+                        f"{self.run}@{candidates[0]} was saved by several ranks: restore it "
+                        "on every rank with a collective manager (collective=None)"
+                    )
                 info = self._restore_collective(state, candidates, fallback)
             else:
                 from ..tiers.view import read_workers
