@@ -233,3 +233,13 @@ def test_memory_backend_roundtrip():
     log_event(store, "r", "x")
     assert [e["event"] for e in read_events(store, "r")] == ["x"]
     assert ops.verify(url, deep=True).ok
+
+
+def test_missing_credentials_are_a_clear_error(s3, bucket, monkeypatch):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(OSError, match=r"NoCredentialsError.*AWS_ACCESS_KEY_ID"):
+        stepvault.save(backend(s3, bucket), {"model": model(11)}, run="r", step=1)

@@ -447,3 +447,25 @@ def test_sigkill_in_the_middle_of_a_tier_move_leaves_both_tiers_consistent(tmp_p
     assert tiers["archive"].list_steps("r") == [1, 2, 3, 4, 5, 6]
     assert tiers.hot.list_steps("r") == [6]
     assert ops.verify_store(tiers["archive"], deep=True).ok
+
+
+def test_an_unreachable_archive_never_stops_training_or_restore(tmp_path, monkeypatch):
+    for k, v in s3_server.ENV.items():
+        monkeypatch.setenv(k, v)
+    dead = {"endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"retries": {"max_attempts": 1}}}
+    spec = TierSpec("archive", "s3://nowhere/cold", options=dead)
+    hot = tmp_path / "hot"
+    m = model(22)
+    with CheckpointManager(
+        hot, "r", tiers={"archive": spec}, tier_policy=HotLast(1) | CopyEvery("archive", steps=1)
+    ) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": m})
+    assert mgr.tier_mover is not None
+    error = mgr.tier_mover.last_error  # a clear error, kept and logged
+    assert isinstance(error, OSError) and "127.0.0.1:9" in str(error)
+    assert Store.open(hot).list_steps("r") == [1, 2, 3]  # nothing left hot uncopied
+    assert "tier_failed" in [e["event"] for e in read_events(Store.open(hot), "r")]
+    m2 = model(23)
+    assert stepvault.restore(hot, {"model": m2}, run="r").step == 3  # hot still serves
+    assert equal(state_of(m2), state_of(m))

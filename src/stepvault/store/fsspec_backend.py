@@ -21,9 +21,10 @@ and parallel multipart uploads for objects of ``2 * part_size`` bytes or more.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import StoreNotFoundError
@@ -43,6 +44,27 @@ DEFAULT_PART_SIZE = 16 << 20
 # memory:// lives in this process; its create-if-absent is a check-then-write, so one lock
 # per process makes it atomic between threads.
 _MEMORY_LOCK = threading.Lock()
+
+
+def _translated(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Surface client-library errors (botocore's connection, timeout and credential errors
+    are not OSErrors) as OSError naming the store, so callers handle one family."""
+
+    @functools.wraps(method)
+    def wrapper(self: FsspecBackend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except OSError:
+            raise
+        except Exception as exc:
+            if type(exc).__module__.split(".")[0] not in ("botocore", "aiobotocore", "aiohttp"):
+                raise
+            hint = ""
+            if "Credentials" in type(exc).__name__:
+                hint = " (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile or a role)"
+            raise OSError(f"{self.url}: {type(exc).__name__}: {exc}{hint}") from exc
+
+    return wrapper
 
 
 def _plain(data: Sequence[Buffer]) -> bytes:
@@ -77,6 +99,7 @@ class FsspecBackend(Backend):
         return bucket, name
 
     # -- reads -------------------------------------------------------------------------
+    @_translated
     def read_bytes(self, key: str) -> bytes:
         if self.is_s3:
             # One GET: s3fs would first HEAD for the size to split big reads into ranges;
@@ -84,6 +107,7 @@ class FsspecBackend(Backend):
             return self.fs.cat_file(self._path(key), max_concurrency=1)
         return self.fs.cat_file(self._path(key))
 
+    @_translated
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
@@ -94,11 +118,13 @@ class FsspecBackend(Backend):
         bucket, name = self._split(key)
         return self.fs.call_s3("head_object", Bucket=bucket, Key=name)
 
+    @_translated
     def size(self, key: str) -> int:
         if self.is_s3:
             return int(self._head(key)["ContentLength"])
         return int(self.fs.size(self._path(key)))
 
+    @_translated
     def exists(self, key: str) -> bool:
         path = self._path(key)
         if self.is_s3:
@@ -110,6 +136,7 @@ class FsspecBackend(Backend):
                 return False
         return bool(self.fs.isfile(path))
 
+    @_translated
     def list(self, prefix: str) -> list[str]:
         path = self._path(prefix) if prefix else self.root
         try:
@@ -130,6 +157,7 @@ class FsspecBackend(Backend):
         return sorted(names)
 
     # -- writes ------------------------------------------------------------------------
+    @_translated
     def put_atomic(
         self, key: str, parts: Sequence[Buffer], *, overwrite: bool = True, durable: bool = True
     ) -> None:
@@ -168,12 +196,14 @@ class FsspecBackend(Backend):
                 raise FileExistsError(path) from None
             self.fs.pipe_file(path, data)  # best effort: the run's lease keeps writers apart
 
+    @_translated
     def delete(self, key: str) -> None:
         try:
             self.fs.rm_file(self._path(key))
         except FileNotFoundError:
             pass
 
+    @_translated
     def touch(self, key: str) -> None:
         """Refresh the modification time GC's grace period looks at.
 
@@ -202,11 +232,13 @@ class FsspecBackend(Backend):
         except (NotImplementedError, ValueError):
             pass  # no way to refresh it here; GC's grace period falls back to creation time
 
+    @_translated
     def mtime(self, key: str) -> float:
         if self.is_s3:
             return float(self._head(key)["LastModified"].timestamp())
         return float(self.fs.modified(self._path(key)).timestamp())
 
+    @_translated
     def append(self, key: str, data: bytes) -> None:
         """Append by read-modify-write, serialised by a conditional write on S3 (If-Match).
 
