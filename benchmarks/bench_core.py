@@ -92,26 +92,7 @@ COLD_CHILD = "--cold-child"  # hidden: run as a cold-restore child (see cold_chi
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
-# -- state --------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
 # -- helpers ------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
 
 
 def resident_bytes(paths: list[Path]) -> int | None:
@@ -167,10 +148,6 @@ def drop_caches() -> str | None:
     return None
 
 
-
-
-
-
 def machine_facts(workdir: Path) -> dict[str, str]:
     return _common.machine_facts(
         workdir,
@@ -180,10 +157,6 @@ def machine_facts(workdir: Path) -> dict[str, str]:
             "torch threads": str(torch.get_num_threads()),
         },
     )
-
-
-
-
 
 
 # -- 2 + 3: durable save --------------------------------------------------------------------
@@ -208,10 +181,6 @@ SAVE_LABELS = {
     "stepvault-raw": "stepvault.save codec=raw (default)",
     "stepvault-auto": "stepvault.save codec=auto",
 }
-
-
-
-
 
 
 def bench_save(
@@ -309,12 +278,6 @@ class RestoreResults:
 
     def paired_ratios(self) -> list[float]:
         return [a / b for a, b in zip(self.times["stepvault"], self.times["safetensors"])]
-
-
-
-
-
-
 
 
 def bench_restore(
@@ -1399,8 +1362,6 @@ def stage_summary(c: CodecRow, side: str) -> str:
     )
 
 
-
-
 def render(
     command: str,
     facts: dict[str, str],
@@ -1712,8 +1673,6 @@ def async_details(m: AsyncResults) -> str:
     return table(["CheckpointManager save", "median (s unless noted)", "all runs"], body)
 
 
-
-
 def write_section(path: Path, section: str) -> None:
     """Replace only this script's section of ``path`` (re-read right before writing)."""
     _common.write_section(path, "core", section)
@@ -1818,7 +1777,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             data = {
                 "codecs": [
-                    {"dtype": c.dtype, "ratio": c.ratio, "enc": c.enc, "dec": c.dec} for c in codecs
+                    {
+                        "dtype": c.dtype,
+                        "ratio": c.ratio,
+                        "enc": c.enc,
+                        "dec": c.dec,
+                        "breakdown": c.breakdown,
+                    }
+                    for c in codecs
                 ],
                 "rows": [r.__dict__ for r in rows],
             }

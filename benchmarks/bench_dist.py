@@ -230,8 +230,6 @@ def check_local_shapes(state: dict[str, Any]) -> None:
 # -- helpers --------------------------------------------------------------------------------
 
 
-
-
 def file_count(path: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(path))
 
@@ -240,12 +238,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-
-
-
-
 
 
 def machine_facts(workdir: Path) -> dict[str, str]:
@@ -648,12 +640,6 @@ def spawn_world(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 # -- report ---------------------------------------------------------------------------------
 
 
-
-
-
-
-
-
 def world_rows(res: dict[str, Any]) -> list[Row]:
     t, logical = res["times"], res["logical"]
 
@@ -915,8 +901,6 @@ def render(
         "",
     ]
     return "\n".join(lines), all_rows
-
-
 
 
 def write_section(path: Path, section: str) -> None:
