@@ -300,7 +300,7 @@ def main() -> None:
             "",
             "Single PUTs beat multipart uploads at this object size on a loopback server "
             "(multipart pays extra requests and a server-side reassembly); multipart is for "
-            "objects above `2 × part_size` (32 MiB by default), where one stream would be "
+            "objects from `2 × part_size` (64 MiB by default), where one stream would be "
             "the bottleneck on a real network. Client and server share two cores here, so "
             "rows that differ by less than ~30% (e.g. save with 2 vs 16 workers) swap places "
             "from run to run. Restoring from the "

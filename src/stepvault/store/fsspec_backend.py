@@ -38,8 +38,10 @@ DEFAULT_S3_CONFIG: dict[str, Any] = {
     "read_timeout": 120,
     "max_pool_connections": 64,
 }
-#: Objects of at least twice this size are uploaded as parallel multipart uploads.
-DEFAULT_PART_SIZE = 16 << 20
+#: Objects of at least twice this size are uploaded as parallel multipart uploads. 32 MiB
+#: keeps the default 32 MiB chunks single PUTs (fewer requests; measured faster here) and
+#: splits only bigger objects, where one stream would be the bottleneck.
+DEFAULT_PART_SIZE = 32 << 20
 
 # memory:// lives in this process; its create-if-absent is a check-then-write, so one lock
 # per process makes it atomic between threads.
