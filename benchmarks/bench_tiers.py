@@ -302,7 +302,7 @@ def main() -> None:
             "(multipart pays extra requests and a server-side reassembly); multipart is for "
             "objects from `2 × part_size` (64 MiB by default), where one stream would be "
             "the bottleneck on a real network. Client and server share two cores here, so "
-            "rows that differ by less than ~30% (e.g. save with 2 vs 16 workers) swap places "
+            "rows that differ by less than ~50% (e.g. save with 2 vs 16 workers) swap places "
             "from run to run. Restoring from the "
             "cold tier fetches 16 objects at once and verifies every hash; the hot row is "
             "the local disk from the page cache (memory-mapped, copied into the parameters).",
