@@ -41,17 +41,21 @@ def reference(tmp_path_factory):
     return _final(out.stdout)
 
 
+def _cold(root: Path) -> Path:
+    return root.parent / "cold"  # next to the hot store, inside this trial's tmp_path
+
+
 def _committed(root: Path) -> list[int]:
     """Steps committed in any tier (hot and, when configured, the cold directory)."""
     steps: set[int] = set()
-    for store in (root, root.parent / "cold"):
+    for store in (root, _cold(root)):
         if (store / "stepvault.json").exists():
             steps.update(stepvault.open(store).steps("job"))
     return sorted(steps)
 
 
 def _verify_all(root: Path) -> None:
-    for store in (root, root.parent / "cold"):
+    for store in (root, _cold(root)):
         if (store / "stepvault.json").exists() and stepvault.open(store).runs():
             report = stepvault.verify(store, deep=True)
             assert report.ok, report.to_json()
@@ -60,7 +64,7 @@ def _verify_all(root: Path) -> None:
 def _trial(root: Path, seed: int, reference: str) -> dict:
     """One kill; odd seeds also run a cold tier, so kills land in tier moves too."""
     rng = random.Random(seed)
-    tier = ["--cold", str(root.parent / "cold")] if seed % 2 else []
+    tier = ["--cold", str(_cold(root))] if seed % 2 else []
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--store", str(root), *ARGS, *tier],
         stdout=subprocess.PIPE,
@@ -90,16 +94,16 @@ def _trial(root: Path, seed: int, reference: str) -> dict:
     assert _final(out.stdout) == reference
     _verify_all(root)
     if tier:  # the policy ran to the end: every 6th step archived, consistent both sides
-        assert stepvault.open(root.parent / "cold").steps("job")[-1] == 30
+        assert stepvault.open(_cold(root)).steps("job")[-1] == 30
     return {"seed": seed, "committed_at_kill": committed[-1] if committed else None}
 
 
 @pytest.mark.parametrize("seed", [11, 12])
 def test_sigkill_at_random_instants(tmp_path, reference, seed):
-    _trial(tmp_path, seed, reference)
+    _trial(tmp_path / "store", seed, reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(1000, 1050))
 def test_sigkill_at_random_instants_many(tmp_path, reference, seed):
-    _trial(tmp_path, seed, reference)
+    _trial(tmp_path / "store", seed, reference)
