@@ -329,6 +329,10 @@ def test_cli_tier_views_and_usage(tmp_path):
     res = runner.invoke(app, ["--root", str(hot), "tiers", "du", "--json"])
     usage = json.loads(res.output)
     assert usage["hot"]["checkpoints"] == 2 and usage["archive"]["checkpoints"] == 2
+    res = runner.invoke(app, ["--root", str(hot), "du", "--by-tier", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output) == usage
+    res = runner.invoke(app, ["--root", str(hot), "du", "--by-tier"])
+    assert res.exit_code == 0 and "archive" in res.output
     res = runner.invoke(app, ["--root", str(hot), "tier", "r@9", "--to", "archive"])
     assert res.exit_code == 2 and "no committed checkpoint" in res.output
     res = runner.invoke(app, ["--root", str(hot), "tier", "r@1", "--to", "nowhere"])

@@ -208,8 +208,18 @@ def verify_cmd(
 
 
 @app.command("du")
-def du_cmd(root: RootOpt = None, as_json: JsonOpt = False) -> None:
-    """Logical vs stored bytes, with dedup and compression savings."""
+def du_cmd(
+    root: RootOpt = None,
+    by_tier: Annotated[
+        bool, typer.Option("--by-tier", help="Usage of each storage tier (see STORAGE.md).")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Logical vs stored bytes, with dedup and compression savings (or per tier)."""
+    if by_tier:
+        from .tiers import print_usage_by_tier
+
+        return print_usage_by_tier(_root(root), as_json)
     try:
         u = ops.usage(_root(root))
     except StepvaultError as exc:
