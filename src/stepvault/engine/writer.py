@@ -32,6 +32,17 @@ def default_workers() -> int:
     return max(2, min(8, os.cpu_count() or 2))
 
 
+def default_write_workers() -> int:
+    """Threads of the write path: twice the cores (at least 4, at most 16).
+
+    A writer spends much of its time in fsync, which waits for the device without using a
+    core; with one thread per core the cores idle meanwhile. Measured on 2 cores, 1.5 GB
+    GPT-2 state: 2 threads 1.38-1.77 s, 4 threads 1.12-1.28 s, 6 threads 1.08-1.21 s
+    (the disk's own sequential write + fsync: ~1.05 s).
+    """
+    return max(4, min(16, 2 * (os.cpu_count() or 2)))
+
+
 @dataclass
 class WriteStats:
     logical_bytes: int = 0
@@ -131,7 +142,7 @@ def write_objects(
     )
     writer = _ChunkWriter(store, arrays, codec)
     if plans:
-        with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
+        with ThreadPoolExecutor(max_workers=workers or default_write_workers()) as pool:
             results = list(pool.map(writer, plans))
     else:
         results = []
