@@ -473,3 +473,15 @@ def test_an_unreachable_archive_never_stops_training_or_restore(tmp_path, monkey
     m2 = model(23)
     assert stepvault.restore(hot, {"model": m2}, run="r").step == 3  # hot still serves
     assert equal(state_of(m2), state_of(m))
+
+
+def test_a_session_without_saves_still_pays_what_a_crashed_one_owed(tmp_path):
+    """A run killed after its last commit but before the mover copied it: the next session
+    restores and closes without saving, and its close() makes the owed copy."""
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    for step in (5, 10):  # committed by a process that died before its mover ran
+        stepvault.save(hot, {"model": model(step)}, run="r", step=step)
+    policy = CopyEvery("archive", steps=5)
+    with CheckpointManager(hot, "r", tiers={"archive": str(cold)}, tier_policy=policy) as mgr:
+        assert mgr.restore({"model": model(0)}).step == 10
+    assert Store.open(cold).list_steps("r") == [5, 10]

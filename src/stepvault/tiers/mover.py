@@ -322,7 +322,11 @@ class TierMover:
         """Stop the mover; with ``wait`` finish a last pass first (up to ``timeout`` or
         :attr:`close_timeout` seconds; a move still running then is abandoned safely)."""
         if self._thread is None:
-            return
+            if not wait:
+                return
+            # No save in this session (e.g. a run resumed right after its last save and
+            # closed): a crashed predecessor may still owe copies, so make the last pass anyway.
+            self._start()
         timeout = self.close_timeout if timeout is None else timeout
         finished = True
         if wait and self._thread.is_alive():
