@@ -335,3 +335,16 @@ def test_rank_local_manager_saves_from_rank_0_only(tmp_path):
     _spawn(2, "manager_rank0_only", tmp_path / "store", tmp_path)
     assert stepvault.open(tmp_path / "store").steps("r0") == [1, 2, 3]
     assert "bad" not in stepvault.open(tmp_path / "store").runs()
+
+
+def test_sharded_checkpoint_restores_from_a_cold_tier(tmp_path):
+    _spawn(2, "fsdp_tiered", tmp_path / "hot", tmp_path)
+    from stepvault.store import Store
+
+    hot, cold = Store.open(tmp_path / "hot"), stepvault.open(tmp_path / "cold")
+    assert hot.list_steps("t") == [3] and cold.steps("t") == [1, 2, 3]  # 1, 2: only cold
+    assert cold.manifest("t", 2).sharded  # a multi-rank checkpoint, moved by rank 0's mover
+    saved, restored = _pt(tmp_path / "saved2.pt"), _pt(tmp_path / "restored2.pt")
+    assert saved.keys() == restored.keys()
+    assert all(torch.equal(saved[k], restored[k]) for k in saved)
+    assert stepvault.verify(tmp_path / "cold", deep=True).ok

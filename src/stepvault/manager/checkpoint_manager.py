@@ -861,7 +861,7 @@ class CheckpointManager:
     def _is_sharded(self, step: int) -> bool:
         from ..api import _is_sharded
 
-        return _is_sharded(self.store, self.run, step)
+        return _is_sharded(self._view, self.run, step)  # in whichever tier holds it
 
     def _restore_collective(
         self, state: MutableMapping[str, Any], candidates: list[int], fallback: bool
@@ -874,8 +874,10 @@ class CheckpointManager:
         skipped: list[Any] = []
         for candidate in candidates:
             try:
+                # Through the tier view: a checkpoint evicted from hot is read from a cold
+                # tier by every rank (objects from the first tier that has them).
                 chosen = restore_state(
-                    self.store, state, run=self.run, step=candidate, workers=self.workers
+                    self._view, state, run=self.run, step=candidate, workers=self.workers
                 )
             except BaseException as exc:
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
@@ -884,7 +886,7 @@ class CheckpointManager:
                     raise
                 skipped.append(SkippedCheckpoint(candidate, str(exc)))
                 continue
-            m = parse_manifest(self.store.read_manifest(self.run, chosen), f"{self.run}@{chosen}")
+            m = parse_manifest(self._view.read_manifest(self.run, chosen), f"{self.run}@{chosen}")
             return RestoreInfo(
                 self.run,
                 chosen,
