@@ -341,6 +341,26 @@ def test_cli_tier_views_and_usage(tmp_path):
     assert res.exit_code == 0 and "archive" in res.output
 
 
+def test_cli_tier_older_than_moves_only_aged_checkpoints(tmp_path):
+    hot, cold = tmp_path / "hot", tmp_path / "c"
+    for step in (1, 2):
+        stepvault.save(hot, {"model": model(step)}, run="r", step=step)
+    time.sleep(1.2)
+    stepvault.save(hot, {"model": model(3)}, run="r", step=3)
+    runner = CliRunner()
+    res = runner.invoke(app, ["--root", str(hot), "tiers", "add", "archive", str(cold)])
+    assert res.exit_code == 0, res.output
+    args = ["--root", str(hot), "tier", "r", "--to", "archive", "--evict", "--json"]
+    res = runner.invoke(app, [*args, "--older-than", "1s"])
+    assert res.exit_code == 0, res.output
+    assert [r["step"] for r in json.loads(res.output)] == [1, 2]
+    assert Store.open(hot).list_steps("r") == [3] and Store.open(cold).list_steps("r") == [1, 2]
+    res = runner.invoke(app, [*args, "--older-than", "1d"])
+    assert res.exit_code == 2 and "no checkpoint in the hot store older than 1d" in res.output
+    res = runner.invoke(app, [*args, "--older-than", "soon"])
+    assert res.exit_code == 2 and "not a duration" in res.output
+
+
 # ------------------------------------------------------------------------ S3 cold tier
 
 s3_server = pytest.importorskip("s3_server")
@@ -485,3 +505,30 @@ def test_a_session_without_saves_still_pays_what_a_crashed_one_owed(tmp_path):
     with CheckpointManager(hot, "r", tiers={"archive": str(cold)}, tier_policy=policy) as mgr:
         assert mgr.restore({"model": model(0)}).step == 10
     assert Store.open(cold).list_steps("r") == [5, 10]
+
+
+def test_age_rules_move_checkpoints_on_a_timer_without_new_saves(tmp_path):
+    """MoveAfter acts on age: once a checkpoint comes of age the mover moves it even though
+    training saves nothing more (a finished or rarely saving run)."""
+    from stepvault.tiers.mover import TierMover
+
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    for step in (1, 2, 3):
+        stepvault.save(hot, {"model": model(step)}, run="r", step=step)
+    add_tier(Store.open(hot), TierSpec("archive", str(cold)))
+    tiers = Tiers.of(Store.open(hot))
+    policy = HotLast(10) | MoveAfter("archive", age=2.0)
+    assert policy.ages() == [2.0] and HotLast(3).ages() == []
+    assert TierMover(tiers, "r", HotLast(3)).recheck_seconds is None
+    assert TierMover(tiers, "r", MoveAfter("archive", days=1)).recheck_seconds == 600.0
+    mover = TierMover(tiers, "r", policy, recheck_seconds=0.2)
+    assert mover.drain(30)  # one pass now: nothing is 2 s old yet, nothing moves
+    assert Store.open(hot).list_steps("r") == [1, 2, 3]
+    deadline = time.time() + 20
+    while time.time() < deadline and Store.open(hot).list_steps("r") != [3]:
+        time.sleep(0.1)
+    mover.close(wait=False)
+    # 1 and 2 moved by timer passes alone; 3, the newest, stays hot for a fast restart
+    assert Store.open(hot).list_steps("r") == [3]
+    assert Store.open(cold).list_steps("r") == [1, 2, 3]
+    assert len(mover.reports) >= 2 and mover.last_error is None

@@ -3,7 +3,8 @@ see what lives where."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import time
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -26,6 +27,14 @@ def tier_cmd(
         bool,
         typer.Option("--evict", help="Then remove it from hot (only once committed in COLD)."),
     ] = False,
+    older_than: Annotated[
+        str | None,
+        typer.Option(
+            "--older-than",
+            help="Only checkpoints saved longer ago than this (90s, 30m, 6h, 2d): "
+            "MoveAfter for a run that no longer saves (e.g. from cron).",
+        ),
+    ] = None,
     root: RootOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -49,6 +58,12 @@ def tier_cmd(
             steps = steps[-1:]
         elif step is not None:
             steps = [step]
+        if older_than is not None:
+            steps = _saved_before(hot, run, steps, time.time() - parse_duration(older_than))
+            if not steps:
+                raise StepvaultError(
+                    f"run {run!r} has no checkpoint in the hot store older than {older_than}"
+                )
         if not steps:
             raise StepvaultError(
                 f"run {run!r} has no checkpoint in the hot store {hot.backend.url}"
@@ -90,6 +105,38 @@ def tier_cmd(
         )
     console.print(table)
     return None
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90s``, ``30m``, ``6h``, ``2d`` (a bare number is seconds)."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    t = text.strip().lower()
+    scale = units.get(t[-1:])
+    number = t[:-1] if scale is not None else t
+    try:
+        value = float(number) * (scale or 1.0)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value != float("inf")):
+        raise StepvaultError(
+            f"--older-than {text!r} is not a duration: write a number with s, m, h or d "
+            "(e.g. 90s, 30m, 6h, 2d)"
+        )
+    return value
+
+
+def _saved_before(hot: Any, run: str, steps: list[int], cutoff: float) -> list[int]:
+    from ..format import parse_manifest
+
+    out = []
+    for s in steps:
+        try:
+            created = parse_manifest(hot.read_manifest(run, s), f"{run}@{s}").created
+        except StepvaultError:
+            continue  # a damaged checkpoint is never copied (the copy would refuse it too)
+        if created <= cutoff:
+            out.append(s)
+    return out
 
 
 @tiers_app.command("ls")

@@ -225,9 +225,11 @@ class TierMover:
         *,
         workers: int = DEFAULT_COPY_WORKERS,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        recheck_seconds: float | None = None,
     ) -> None:
         for name in policy.tiers():
             tiers.spec(name)
+        self._recheck = recheck_seconds
         self.tiers = tiers
         self.run = run
         self.policy = policy
@@ -279,12 +281,30 @@ class TierMover:
         except (StepvaultError, OSError):
             return set(steps)  # cannot tell: keep them all for now
 
+    @property
+    def recheck_seconds(self) -> float | None:
+        """How often the mover also runs without a new save: a rule that acts on age
+        (``MoveAfter``) must move a checkpoint when it comes of age, even if training saves
+        rarely or has stopped saving. By default a tenth of the shortest age, between 5 s
+        and 10 min; None without age rules."""
+        if self._recheck is not None:
+            return self._recheck
+        ages = self.policy.ages()
+        if not ages:
+            return None
+        return min(600.0, max(5.0, min(ages) / 10))
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._requested > self._done or self._stopping)
-                if self._requested <= self._done:
+                woken = self._cond.wait_for(
+                    lambda: self._requested > self._done or self._stopping,
+                    self.recheck_seconds,
+                )
+                if self._stopping and self._requested <= self._done:
                     return
+                if not woken:  # the timer of an age rule: a pass of its own
+                    self._requested += 1
                 target = self._requested
             try:
                 report = apply_tier_policy(

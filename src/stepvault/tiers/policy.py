@@ -93,6 +93,11 @@ class TierPolicy:
         """Cold tier names this rule refers to."""
         return set()
 
+    def ages(self) -> list[float]:
+        """Ages (seconds) at which this rule changes its mind about a checkpoint with no new
+        save in between (``MoveAfter``): the mover then also wakes up on a timer."""
+        return []
+
     def __or__(self, other: TierPolicy) -> TierPolicy:
         return TierAny(self, other)
 
@@ -126,6 +131,9 @@ class TierAny(TierPolicy):
 
     def tiers(self) -> set[str]:
         return set().union(*(p.tiers() for p in self.policies))
+
+    def ages(self) -> list[float]:
+        return [a for p in self.policies for a in p.ages()]
 
     def __repr__(self) -> str:
         return " | ".join(repr(p) for p in self.policies)
@@ -247,6 +255,9 @@ class MoveAfter(TierPolicy):
         reason = f"older than {_num(self.age / 60)} min: moved to {self.tier}"
         old = {r.step: reason for r in records if r.valid and r.created <= now - self.age}
         return Placement(cold={self.tier: dict(old)}, move=dict(old))
+
+    def ages(self) -> list[float]:
+        return [self.age]
 
     def tiers(self) -> set[str]:
         return {self.tier}
