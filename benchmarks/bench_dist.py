@@ -18,7 +18,7 @@ size 1 is a 1-rank group, so every world size runs the same code path) it measur
    after, fsync included for both): ``stepvault.dist.save_sharded`` into a fresh store vs
    ``torch.distributed.checkpoint.save`` with ``FileSystemWriter`` (``sync_files=True``, its
    default). Order alternates every repeat; an untimed priming write on every rank and
-   ``os.sync()`` on rank 0 before each timed save; median of R.
+   ``os.sync()`` on rank 0 before each timed save; median of R (loads: of ``--load-repeats``).
 3. A second unchanged ``save_sharded`` into the same store (dedup): time and new bytes.
 4. Load throughput into pre-allocated DTensors of the same sharding (warm page cache):
    ``load_sharded`` vs ``dcp.load`` with ``FileSystemReader``; bitwise equality checked once.
@@ -415,6 +415,7 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     work = Path(cfg["work"])
     repeats = int(cfg["repeats"])
+    load_repeats = int(cfg.get("load_repeats", repeats))
     shape = Shape(**cfg["shape"])
     mesh = init_device_mesh("cpu", (world,))
     t0 = time.perf_counter()
@@ -536,7 +537,7 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     equal = {"stepvault": bitwise("stepvault"), "dcp": bitwise("dcp")}
     log(f"bitwise equal after load: {equal}")
     load_orders: list[list[str]] = []
-    for r in range(repeats):
+    for r in range(load_repeats):
         order = ["dcp", "stepvault"] if r % 2 == 0 else ["stepvault", "dcp"]
         load_orders.append(order)
         for who in order:
@@ -546,7 +547,7 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             else:
                 dt = timed(lambda: dcp_load(dcp_dir), sync=False, warm_write=False)
                 times["dcp_load"].append(dt)
-            log(f"load {r + 1}/{repeats} {who:9s} {dt:6.2f} s {logical / GB / dt:5.2f} GB/s")
+            log(f"load {r + 1}/{load_repeats} {who:9s} {dt:6.2f} s {logical / GB / dt:5.2f} GB/s")
 
     # Profiles of both sides of every ratio below its target (one extra run each, rank 0).
     save_ratio = median(times["dcp_save"]) / median(times["sv_save"])
@@ -788,6 +789,7 @@ def render(
     results: list[dict[str, Any]],
     repeats: int,
     runtime: float,
+    load_repeats: int | None = None,
 ) -> tuple[str, list[tuple[int, Row]]]:
     logical = results[0]["logical"]
     n_tensors = len(shape.tensors())
@@ -892,7 +894,8 @@ def render(
         "the last saves above, so the files are in the page cache (warm). One untimed load "
         "of each first, checked bitwise (int32 views of every local shard on every rank, "
         "and the values); then the timed loads, order alternating, median of "
-        f"{repeats}.",
+        f"{load_repeats or repeats} (loads take about a second and vary most when 4 ranks "
+        "share 2 cores, so they repeat more often than saves).",
         "- Profiles (only for a ratio below its target): one extra run of each side under "
         f"`py-spy record --nonblocking --idle --rate {PROFILE_RATE}` attached to rank 0, "
         "every Python thread sampled, blocked ones too (a thread in `fsync` or waiting for "
@@ -920,7 +923,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--size-mb", type=float, default=600.0, help="global state size (600)")
-    ap.add_argument("--repeats", type=int, default=3, help="repeats of each save/load (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of each save (median)")
+    ap.add_argument("--load-repeats", type=int, default=5, help="repeats of each load (median)")
     ap.add_argument(
         "--out", type=Path, default=REPO / "BENCHMARKS.md", help="markdown file to update"
     )
@@ -933,8 +937,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the py-spy runs of misses")
     ap.add_argument("--worlds", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.size_mb <= 0:
-        ap.error("--repeats must be >= 1 and --size-mb > 0")
+    if args.repeats < 1 or args.load_repeats < 1 or args.size_mb <= 0:
+        ap.error("--repeats and --load-repeats must be >= 1 and --size-mb > 0")
     worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
     if not worlds or min(worlds) < 1:
         ap.error("--worlds: positive integers")
@@ -957,6 +961,7 @@ def main(argv: list[str] | None = None) -> int:
         "work": str(work),
         "out": str(work / "out"),
         "repeats": args.repeats,
+        "load_repeats": args.load_repeats,
         "shape": asdict(shape),
         "profile": not args.no_profile,
     }
@@ -973,7 +978,9 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
     facts["load average at end"] = load_average()
     runtime = time.perf_counter() - t_start
-    section, rows = render(command, facts, shape, results, args.repeats, runtime)
+    section, rows = render(
+        command, facts, shape, results, args.repeats, runtime, args.load_repeats
+    )
     write_section(args.out, section)
     print()
     print(

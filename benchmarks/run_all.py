@@ -78,7 +78,13 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
             "1",
         ],
     ),
-    "dist": ([], ["--size-mb", "4", "--repeats", "1", "--worlds", "1", "--no-profile"]),
+    "dist": (
+        [],
+        [
+            "--size-mb", "4", "--repeats", "1", "--load-repeats", "1", "--worlds", "1",
+            "--no-profile",
+        ],
+    ),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core")
 
