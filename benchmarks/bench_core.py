@@ -1024,8 +1024,8 @@ def float_codec_breakdown(
         streams = clock(
             "encode: split into byte streams", lambda: _split_float(u, exp_bits, man_bits)
         )
+        comp = _compressor("stream")
         for i, st in enumerate(streams):
-            comp = _compressor("exponent" if i == 0 else "mantissa")
             label = "exponent" if i == 0 else f"sign+mantissa byte {i}"
             clock(f"encode: zstd {label}", lambda st=st, comp=comp: comp.compress(st.data))
         clock("decode: whole (same loop)", lambda: codec.decode(payload, raw.nbytes, params))

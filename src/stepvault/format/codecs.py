@@ -24,24 +24,42 @@ from .dtypes import dtype_info
 
 _local = threading.local()
 
+#: zstd parameters for the float codec's byte streams, measured on real weights (MiniLM,
+#: one thread; bench_core.py section 6). The streams are order-0 sources: an exponent byte
+#: takes a few dozen values with ~2.7 bits of entropy and few useful repeats, so nearly all
+#: of the gain is zstd's Huffman literal coder and match finding is mostly cost (a chance
+#: 7-byte match even codes larger as a sequence than as literals). The smallest hash table
+#: (64 entries) makes such matches rare, so the fast strategy skips ahead through literal
+#: runs: 2.6x faster than level 1 on the exponent stream, and smaller (0.331 vs 0.364 of its
+#: size). Runs and short periods are still found (repeat offsets). Not found any more:
+#: repeats farther back than the last few dozen positions (level 1 found them up to 512 KiB
+#: back); long distance matching would find them but costs +40% of the exponent pass.
+#: Window 2^17 keeps zstd's largest block (128 KiB, one Huffman table each); smaller windows
+#: shrink the blocks, which is slower and larger. A zstd frame decodes whatever parameters
+#: wrote it, so these can change without a format change.
+_STREAM_PARAMS = dict(
+    strategy=zstandard.STRATEGY_FAST,
+    window_log=17,
+    hash_log=6,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
+    target_length=0,  # >0 would turn Huffman literals off under the fast strategy
+    write_content_size=True,
+)
+
 
 def _compressor(kind: str) -> zstandard.ZstdCompressor:
-    # Compressor objects are not thread-safe: one per thread and kind.
+    # Compressor objects are not thread-safe: one per thread and kind, made once (creating
+    # one allocates its context, which would be a visible cost on small chunks).
     cache = getattr(_local, "compressors", None)
     if cache is None:
         cache = _local.compressors = {}
     comp = cache.get(kind)
     if comp is None:
-        if kind == "exponent":
-            # Short literal-heavy streams: level 1 with long minimum matches leaves almost
-            # everything to zstd's Huffman literal coder, which is both faster and smaller
-            # here than LZ matching (measured on MiniLM: 0.682 vs 0.706 for bf16 at 2x speed).
-            params = zstandard.ZstdCompressionParameters.from_level(
-                1, min_match=7, search_log=1, write_content_size=True
-            )
+        if kind == "stream":
+            params = zstandard.ZstdCompressionParameters(**_STREAM_PARAMS)
             comp = zstandard.ZstdCompressor(compression_params=params)
-        elif kind == "mantissa":
-            comp = zstandard.ZstdCompressor(level=1, write_content_size=True)
         else:
             comp = zstandard.ZstdCompressor(level=3, write_content_size=True)
         cache[kind] = comp
@@ -104,29 +122,84 @@ class ZstdCodec(Codec):
         return _zstd_decompress(payload, raw_size)
 
 
+#: Elements per block of the stream split/join: the block's temporaries (two word arrays of
+#: 0.5-1 MiB) stay in cache and are reused, where whole-chunk temporaries would be fresh
+#: memory (page faults) and a trip to DRAM per numpy operation.
+_BLOCK = 1 << 18
+
+
+def _layout(word: np.dtype, man_bits: int) -> tuple[int, int, int, int]:
+    """(word bits, rest bytes k, shift s of the top rest byte, sign position p in it)."""
+    width = word.itemsize * 8
+    k = (man_bits + 1 + 7) // 8
+    s = 8 * (k - 1)
+    return width, k, s, man_bits - s
+
+
 def _split_float(u: np.ndarray, exp_bits: int, man_bits: int) -> list[np.ndarray]:
-    """Regroup unsigned words into [exponent bytes, sign+mantissa byte planes (LSB first)]."""
-    width = u.dtype.itemsize * 8
-    exp_mask = (1 << exp_bits) - 1
-    exponent = ((u >> man_bits) & exp_mask).astype(np.uint8)
-    # Move the sign bit down next to the mantissa so the rest packs into width-8 bits.
-    rest = (u & u.dtype.type((1 << man_bits) - 1)) | (
-        (u >> (width - 1 - man_bits)) & (1 << man_bits)
-    )
-    rest_bytes = (man_bits + 1 + 7) // 8
-    planes = rest.view(np.uint8).reshape(-1, u.dtype.itemsize)
-    return [exponent] + [np.ascontiguousarray(planes[:, i]) for i in range(rest_bytes)]
+    """Regroup unsigned words into [exponent bytes, sign+mantissa byte planes (LSB first)].
+
+    Same result as ``exponent = (u >> M) & (2^E-1)`` and the byte planes of
+    ``rest = (u & (2^M-1)) | (sign << M)`` (FORMAT.md 3.2), computed block by block with
+    word-sized shifts/masks (x86 has no SIMD byte shifts) and narrowing casts into the
+    output planes. The rest bytes below the top one are plain bytes of ``u``.
+    """
+    n = u.size
+    width, k, s, p = _layout(u.dtype, man_bits)
+    exponent = np.empty(n, np.uint8)
+    planes = [np.empty(n, np.uint8) for _ in range(k)]
+    m = min(n, _BLOCK)
+    t, t2 = np.empty(m, u.dtype), np.empty(m, u.dtype)
+    for a in range(0, n, _BLOCK):
+        b = min(n, a + _BLOCK)
+        ub, tb, t2b = u[a:b], t[: b - a], t2[: b - a]
+        np.right_shift(ub, man_bits, out=tb)
+        if exp_bits < 8:  # the sign sits right above the exponent: mask it off
+            np.bitwise_and(tb, (1 << exp_bits) - 1, out=tb)
+        np.copyto(exponent[a:b], tb, casting="unsafe")  # keeps the low byte
+        for i in range(k - 1):
+            src = ub if i == 0 else np.right_shift(ub, 8 * i, out=tb)
+            np.copyto(planes[i][a:b], src, casting="unsafe")
+        # Top rest byte: mantissa bits s..M-1 below bit p, the sign at bit p.
+        if s:
+            np.right_shift(ub, s, out=tb)
+            np.bitwise_and(tb, (1 << p) - 1, out=tb)
+        else:
+            np.bitwise_and(ub, (1 << p) - 1, out=tb)
+        np.right_shift(ub, width - 1 - p, out=t2b)
+        np.bitwise_and(t2b, 1 << p, out=t2b)
+        np.bitwise_or(tb, t2b, out=tb)
+        np.copyto(planes[-1][a:b], tb, casting="unsafe")
+    return [exponent, *planes]
 
 
 def _join_float(streams: list[np.ndarray], dtype: np.dtype, exp_bits: int, man_bits: int):
-    width = dtype.itemsize * 8
-    exponent = streams[0].astype(dtype)
-    rest = np.zeros(exponent.shape, dtype=dtype)
-    for i, plane in enumerate(streams[1:]):
-        rest |= plane.astype(dtype) << dtype.type(8 * i)
-    sign = (rest >> dtype.type(man_bits)) & dtype.type(1)
-    u = (sign << dtype.type(width - 1)) | (exponent << dtype.type(man_bits))
-    u |= rest & dtype.type((1 << man_bits) - 1)
+    """Inverse of :func:`_split_float`: the unsigned words, as a new array."""
+    exponent, planes = streams[0], streams[1:]
+    n = exponent.size
+    width, k, s, p = _layout(dtype, man_bits)
+    u = np.empty(n, dtype)
+    m = min(n, _BLOCK)
+    t, t2 = np.empty(m, dtype), np.empty(m, dtype)
+    top = planes[-1]
+    for a in range(0, n, _BLOCK):
+        b = min(n, a + _BLOCK)
+        ub, tb, t2b = u[a:b], t[: b - a], t2[: b - a]
+        np.copyto(ub, exponent[a:b])
+        np.left_shift(ub, man_bits, out=ub)
+        np.copyto(tb, top[a:b])
+        np.left_shift(tb, width - 1 - p, out=t2b)  # sign bit (bit p) to the top of the word
+        np.bitwise_and(t2b, 1 << (width - 1), out=t2b)
+        np.bitwise_or(ub, t2b, out=ub)
+        np.bitwise_and(tb, (1 << p) - 1, out=tb)
+        if s:
+            np.left_shift(tb, s, out=tb)
+        np.bitwise_or(ub, tb, out=ub)
+        for i in range(k - 1):
+            np.copyto(tb, planes[i][a:b])
+            if i:
+                np.left_shift(tb, 8 * i, out=tb)
+            np.bitwise_or(ub, tb, out=ub)
     return u
 
 
@@ -148,8 +221,13 @@ class FloatCodec(Codec):
             raise ValueError("float codec needs whole elements")
         u = np.frombuffer(raw, dtype=_WORD[info.itemsize])
         parts, streams = [], []
-        for i, stream in enumerate(_split_float(u, exp_bits, man_bits)):
-            packed = _compressor("exponent" if i == 0 else "mantissa").compress(stream.data)
+        comp = _compressor("stream")
+        for stream in _split_float(u, exp_bits, man_bits):
+            # Every stream gets its zstd pass, even the near-random sign+mantissa bytes: on
+            # those zstd's fast strategy runs at ~4 GB/s (it skips ahead when nothing
+            # matches and gives up on Huffman per block), and a sample would miss tensors
+            # whose low mantissa bytes repeat (MiniLM fp32: 0.964 and 0.983 on two planes).
+            packed = comp.compress(stream.data)
             if len(packed) < stream.nbytes:
                 parts.append(packed)
                 streams.append({"codec": "zstd", "size": len(packed)})
