@@ -213,6 +213,7 @@ def bench_policy(s3: S3Server, steps: int, work: Path) -> tuple[list[list[str]],
     policy = HotLast(3) | CopyEvery("archive", steps=5) | ArchiveProtected("archive")
     spec = TierSpec("archive", f"s3://{s3.bucket()}/cold", options={"endpoint_url": s3.endpoint})
     hot_root = work / "hot-policy"
+    pinned = next(s for s in range(steps // 2 + 2, steps + 1) if s % 5)  # 52 of 100
     t0 = time.perf_counter()
     with CheckpointManager(
         hot_root, "run", tiers={"archive": spec}, tier_policy=policy, lineage=False
@@ -222,9 +223,9 @@ def bench_policy(s3: S3Server, steps: int, work: Path) -> tuple[list[list[str]],
                 for p in trainable:
                     p.add_(0.01)
             mgr.save(step, {"model": model})
-            if step == 52:
+            if step == pinned:
                 mgr.wait()
-                mgr.pin(52)
+                mgr.pin(pinned)
         mover = mgr.tier_mover
     seconds = time.perf_counter() - t0
     assert mover is not None and mover.last_error is None, mover.last_error
@@ -258,7 +259,8 @@ def bench_policy(s3: S3Server, steps: int, work: Path) -> tuple[list[list[str]],
         f"included; the training thread waited {stats['mean_stall_seconds'] * 1e3:.1f} ms per "
         f"save on average (max {stats['max_stall_seconds'] * 1e3:.1f} ms; the mover runs on "
         f"its own thread). Model {fmt_bytes(full)}, 25% of it trained per step; hot GC freed "
-        f"{fmt_bytes(stats['freed_bytes'] + swept.freed_bytes)} of evicted checkpoints."
+        f"{fmt_bytes(stats['freed_bytes'] + swept.freed_bytes)} of evicted checkpoints. "
+        f"The archive holds every 5th checkpoint plus the pinned step {pinned}."
     )
     return rows, note
 
@@ -268,12 +270,16 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md")
+    ap.add_argument(
+        "--workdir", type=Path, default=REPO / "bench-out", help="scratch space (a temp dir in it)"
+    )
     args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     facts = _common.machine_facts(REPO, {"s3 server": "moto " + _common.version("moto")})
     s3 = S3Server()
     try:
-        with tempfile.TemporaryDirectory(dir=REPO / "bench-out") as tmp:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
             work = Path(tmp)
             throughput: list[list[str]] = []
             bench_upload(s3, args.size_mb, throughput)
@@ -323,7 +329,7 @@ def main() -> None:
             ),
             "",
             policy_note + " Bytes written count only objects the tier lacked (dedup within "
-            "each tier); the archive holds every 5th checkpoint plus the pinned step 52.",
+            "each tier).",
         ]
     )
     _common.write_section(args.out, "tiers", section)

@@ -14,6 +14,7 @@ Runs, each in its own process (one crash does not lose the others' sections):
 - ``bench_scale.py``        listing 1k and 10k checkpoints; 10k small tensors
 - ``bench_core.py``         cold restore, async stall split, the float codec vs zipnn/zstd
 - ``bench_dist.py``         sharded save/load on 1/2/4 ranks against DCP
+- ``bench_tiers.py``        upload to a local S3 server, restore cold vs hot, bytes per tier
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -85,6 +86,7 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
             "--no-profile",
         ],
     ),
+    "tiers": ([], ["--size-mb", "8", "--steps", "20"]),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core")
 

@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "run_all.py"
-SECTIONS = ("summary", "peers", "incremental", "scale", "core", "dist")
+SECTIONS = ("summary", "peers", "incremental", "scale", "core", "dist", "tiers")
 TARGETS = (
     "durable save ≥ 0.8× raw disk",
     "durable save ≥ 1.0× safetensors",
