@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from blake3 import blake3
 from typer.testing import CliRunner
 
 import stepvault
@@ -55,7 +56,8 @@ def test_honest_store_verifies_and_every_tampering_is_found(tmp_path, kind):
     store = Store.open(root)
     report = stepvault.ops.verify_signatures(store, verifier, require=True)
     assert report.ok, report.problems
-    assert report.count("valid") == 2 + 1 + 2 + 2  # manifests, annotation, versions, moves
+    # manifests, annotation, versions, moves, the head of the model's history
+    assert report.count("valid") == 2 + 1 + 2 + 2 + 1
 
     # 1. A manifest edited with a recomputed checksum: plain verify passes, signatures don't.
     path = root / "runs/r/checkpoints/1.json"
@@ -85,6 +87,42 @@ def test_honest_store_verifies_and_every_tampering_is_found(tmp_path, kind):
     (root / "refs/registry/m/moves/1.json").unlink()
     chain = [e for e in Registry(root).check() if e["kind"] == "move"]
     assert chain[0]["status"] == "broken-chain"
+
+
+def test_cutting_off_the_newest_alias_moves_is_detected(tmp_path):
+    """The hash chain cannot see a deleted *tail*; the signed head record can."""
+    signer = Signer.from_spec(HMAC)
+    root = _signed_store(tmp_path, signer)
+    store = Store.open(root)
+    reg = Registry(store, signer=signer)
+    reg.rollback("m", "stable")  # a third move, after the store's two promotions
+    moves = root / "refs/registry/m/moves"
+    assert sorted(p.name for p in moves.iterdir()) == ["1.json", "2.json", "3.json"]
+    assert all(e["status"] == "ok" for e in reg.check())
+    assert stepvault.ops.verify_signatures(store, signer.verifier()).ok
+    # An attacker hides the last promotion: the remaining chain is intact ...
+    (moves / "3.json").unlink()
+    assert all(e["status"] == "ok" for e in reg.check() if e["kind"] == "move")
+    # ... but the head still names move 3.
+    head = [e for e in reg.check() if e["kind"] == "head"]
+    assert head[0]["status"] == "truncated" and "move 3" in head[0]["detail"]
+    report = stepvault.ops.verify_signatures(store, signer.verifier())
+    assert [e["kind"] for e in report.problems] == ["head"]
+    # Deleting the head too: the history is no longer anchored, also reported.
+    (root / "refs/registry/m/head.json").unlink()
+    report = stepvault.ops.verify_signatures(store, signer.verifier())
+    assert [e["status"] for e in report.problems] == ["no-head"]
+    # A forged head (pointing at move 2 without the key) is an invalid signature.
+    data = (moves / "2.json").read_bytes()
+    forged = {"model": "m", "seq": 2, "blake3": blake3(data).hexdigest()}
+    (root / "refs/registry/m/head.json").write_text(json.dumps(forged))
+    report = stepvault.ops.verify_signatures(store, signer.verifier())
+    assert report.ok  # unsigned records are problems only when signatures are required
+    strict = stepvault.ops.verify_signatures(store, signer.verifier(), require=True)
+    assert [(e["kind"], e["status"]) for e in strict.problems] == [("head", "unsigned")]
+    # The next legitimate move re-anchors the history.
+    reg.promote("m", "r@1", "stable")
+    assert stepvault.ops.verify_signatures(store, signer.verifier(), require=True).ok
 
 
 def test_wrong_key_and_unsigned_records_are_reported(tmp_path):

@@ -35,6 +35,8 @@ class SignatureReport:
             "invalid",
             "other-key",
             "broken-chain",
+            "truncated",
+            "no-head",
             "damaged",
             "changed-checkpoint",
             "missing-checkpoint",

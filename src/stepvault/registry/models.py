@@ -15,8 +15,12 @@ Layout (every file is created exclusively, never rewritten)::
 
 ``prev_blake3`` is the BLAKE3 of the previous move file, so the history is a hash chain:
 a deleted, edited or reordered move is detected by :meth:`Registry.check` (signatures
-additionally prove who wrote each record). Registering a version places a *hold* on its
-checkpoint (``refs/holds/``), which keeps it safe from every keep policy and from GC.
+additionally prove who wrote each record). A chain alone cannot show that its *newest*
+moves were deleted, so every move also rewrites ``refs/registry/<model>/head.json``
+(``{model, seq, blake3}`` of the newest move, signed like the rest): a head naming a move
+that is gone, or another file than the one there, means the history was cut or edited.
+Registering a version places a *hold* on its checkpoint (``refs/holds/``), which keeps it
+safe from every keep policy and from GC.
 """
 
 from __future__ import annotations
@@ -335,6 +339,7 @@ class Registry:
             except FileExistsError:
                 continue  # a concurrent move won this number: decide again on the new state
             move = _move_from(record)
+            self._write_head(model, seq)
             target = self.version(model, version) if version is not None else None
             if target is not None:
                 log_event(
@@ -396,9 +401,58 @@ class Registry:
             raise RegistryError(f"model {model!r} has no alias {alias!r}")
         return self._append_move(model, alias, "remove", lambda stack: None, note)
 
+    def _write_head(self, model: str, seq: int) -> None:
+        """Point the head at move ``seq`` unless it already names a newer one (concurrent
+        moves: the loser of the race leaves the head alone)."""
+        prefix = self._prefix(model)
+        try:
+            _, head = self._read(f"{prefix}/head.json")
+            if isinstance(head.get("seq"), int) and head["seq"] > seq:
+                return
+        except (FileNotFoundError, StepvaultError):
+            pass
+        data = self.store.backend.read_bytes(f"{prefix}/moves/{seq}.json")
+        record = {"model": model, "seq": seq, "blake3": blake3(data).hexdigest()}
+        self.store.backend.put_atomic(f"{prefix}/head.json", [self._signed(record)])
+
+    def _check_head(
+        self, model: str, seqs: list[int], verifier: Verifier | None
+    ) -> dict[str, Any] | None:
+        key = f"{self._prefix(model)}/head.json"
+        entry: dict[str, Any] = {"key": key, "kind": "head", "status": "ok"}
+        try:
+            _, head = self._read(key)
+        except FileNotFoundError:
+            if not seqs:
+                return None
+            # Written before heads existed, or a crash between a move and its head.
+            return {**entry, "status": "no-head", "detail": "the newest move is not anchored"}
+        except StepvaultError as exc:
+            return {**entry, "status": "damaged", "detail": str(exc)}
+        seq, last = head.get("seq"), max(seqs, default=0)
+        if not isinstance(seq, int) or head.get("model") != model:
+            entry.update(status="damaged", detail="not a head record of this model")
+        elif seq > last:
+            entry.update(
+                status="truncated",
+                detail=f"the head names move {seq} but the history ends at {last}: "
+                "newest moves were deleted",
+            )
+        else:
+            data = self.store.backend.read_bytes(f"{self._prefix(model)}/moves/{seq}.json")
+            if blake3(data).hexdigest() != head.get("blake3"):
+                entry.update(
+                    status="broken-chain", detail=f"move {seq} is not the file the head names"
+                )
+        if verifier is not None:
+            entry["signature"] = verifier.check_record(head).status
+        return entry
+
     # ---------------------------------------------------------------- checking
     def check(self, verifier: Verifier | None = None) -> list[dict[str, Any]]:
         """Every registry record with its status: ``ok``, ``damaged``, ``broken-chain``,
+        ``truncated`` (newest moves deleted), ``no-head`` (history not anchored: an older
+        registry, or a crash right after a move; the next move anchors it),
         ``missing-checkpoint``, ``changed-checkpoint``, and with a verifier also the
         signature verdict (``valid``, ``invalid``, ``unsigned``, ``other-key``)."""
         out: list[dict[str, Any]] = []
@@ -409,7 +463,11 @@ class Registry:
                 out.append(self._check_version(key, verifier))
             prev: bytes | None = None
             expected = 1
-            for seq in self._numbers(f"{prefix}/moves"):
+            seqs = self._numbers(f"{prefix}/moves")
+            head = self._check_head(model, seqs, verifier)
+            if head is not None:
+                out.append(head)
+            for seq in seqs:
                 key = f"{prefix}/moves/{seq}.json"
                 entry: dict[str, Any] = {"key": key, "kind": "move", "status": "ok"}
                 try:
