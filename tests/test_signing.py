@@ -182,3 +182,16 @@ def test_bad_keys_give_clear_errors(tmp_path):
     (tmp_path / "junk.pub").write_text("not a key")
     with pytest.raises(stepvault.StepvaultError, match="holds no Ed25519 key"):
         Verifier.from_spec(str(tmp_path / "junk.pub"))
+
+
+def test_plain_verify_of_a_store_checks_the_registry_history(tmp_path):
+    root = _signed_store(tmp_path, Signer.from_spec(HMAC))
+    res = cli(root, "verify")
+    assert res.exit_code == 0, res.output
+    (root / "refs/registry/m/moves/2.json").unlink()  # the newest promotion, hidden
+    res = cli(root, "verify")
+    assert res.exit_code == 1 and "TRUNCATED" in res.output and "move 2" in res.output
+    res = cli(root, "verify", "--json")
+    assert res.exit_code == 1
+    assert [e["status"] for e in json.loads(res.output)["registry"]] == ["truncated"]
+    assert cli(root, "verify", "r").exit_code == 0  # one run: its checkpoints only

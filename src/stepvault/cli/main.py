@@ -155,6 +155,11 @@ def verify_cmd(
             steps = api.open(_root(root)).steps(run)
             step = steps[-1] if steps else None
         report = ops.verify(_root(root), run, step, deep=deep)
+        registry: list[dict] = []
+        if run is None and not signatures:  # (--signatures reports the registry itself)
+            from ..registry import Registry
+
+            registry = [e for e in Registry(_root(root)).check() if e["status"] != "ok"]
         sig_report = None
         if signatures:
             from ..store.signing import Verifier, verifier_from_env
@@ -171,12 +176,14 @@ def verify_cmd(
     except StepvaultError as exc:
         return _fail(exc)
     if sig_report is not None and as_json:
-        _emit_json({**report.to_json(), "signatures": sig_report.to_json()})
-        if not report.ok or not sig_report.ok:
+        _emit_json(
+            {**report.to_json(), "registry": registry, "signatures": sig_report.to_json()}
+        )
+        if not report.ok or not sig_report.ok or registry:
             raise typer.Exit(1)
         return None
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json({**report.to_json(), "registry": registry})
     else:
         mode = "deep" if deep else "quick"
         for c in report.checkpoints:
@@ -191,6 +198,13 @@ def verify_cmd(
             f"objects ({human_bytes(report.bytes_checked)}), {len(report.damaged)} damaged",
             highlight=False,
         )
+    if not as_json:
+        for e in registry:
+            detail = f" ({e['detail']})" if e.get("detail") else ""
+            console.print(
+                f"[red]{e['status'].upper()}[/]  registry {e['kind']} {e['key']}{detail}",
+                highlight=False,
+            )
     if sig_report is not None:
         for e in sig_report.problems:
             where = e.get("ref") or e.get("key")
@@ -200,7 +214,7 @@ def verify_cmd(
             )
         counts = ", ".join(f"{n} {s}" for s, n in sig_report.to_json()["counts"].items())
         console.print(f"signatures: {counts or 'nothing to check'}", highlight=False)
-    if not report.ok or (not report.checkpoints and ref):
+    if not report.ok or (not report.checkpoints and ref) or registry:
         raise typer.Exit(1)
     if sig_report is not None and not sig_report.ok:
         raise typer.Exit(1)
