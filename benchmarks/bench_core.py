@@ -85,6 +85,8 @@ RESTORE_TARGET = 1.2
 BF16_RATIO_TARGET = 0.70
 FP32_RATIO_TARGET = 0.85
 CODEC_SPEED_TARGET = 200.0  # MB/s, single thread, encode
+BF16_ZIPNN_GAP = 0.02  # issue 8: bf16 ratio ≤ zipnn's + this, encode ≥ zstd-3's speed
+ISSUE8_METRIC = "float codec bf16: ratio within 0.02 of zipnn, encode ≥ zstd-3 speed"
 DEDUP_TARGET = 0.01  # second unchanged save writes at most 1 % of the first
 MALLOC_MMAP_MAX = 32 << 20  # glibc's ceiling for its dynamic mmap threshold (64-bit)
 ASYNC_STALL_TARGET = 0.1  # steady-state async stall / synchronous save of the same state
@@ -1118,6 +1120,13 @@ def evaluate(
     rows += cold_rows(cold)
     rows += async_rows(manager)
 
+    rows += codec_rows(codecs)
+    return rows
+
+
+def codec_rows(codecs: list[CodecRow]) -> list[Row]:
+    """Rows of section 6: ratio and speed per dtype, then the issue-8 target for bf16."""
+    rows: list[Row] = []
     for c in codecs:
         short = "bf16" if c.dtype == "bfloat16" else "fp32"
         target = BF16_RATIO_TARGET if c.dtype == "bfloat16" else FP32_RATIO_TARGET
@@ -1158,7 +1167,39 @@ def evaluate(
                 "info",
             )
         )
+    bf16 = next((c for c in codecs if c.dtype == "bfloat16"), None)
+    if bf16 is not None:
+        rows.append(issue8_row(bf16))
     return rows
+
+
+def issue8_row(c: CodecRow) -> Row:
+    """bf16 ratio within 0.02 of zipnn's at ≥ zstd-3's encode speed, with measured causes."""
+    sv, zipnn = c.ratio["stepvault float"], c.ratio["zipnn"]
+    enc, zstd = c.enc["stepvault float"], c.enc["zstd-3"]
+    ok_ratio, ok_speed = sv <= zipnn + BF16_ZIPNN_GAP, enc >= zstd
+    why = []
+    if not ok_ratio:
+        streams = ", ".join(
+            f"{k.removeprefix('encode: zstd ')} {v:.3f} s"
+            for k, v in c.breakdown.items()
+            if k.startswith("encode: zstd")
+        )
+        why.append(f"ratio {sv:.3f} vs zipnn {zipnn:.3f} (zstd passes: {streams})")
+    if not ok_speed:
+        why.append(
+            f"encode {enc:.0f} MB/s vs zstd-3 {zstd:.0f} MB/s on one thread; "
+            + stage_summary(c, "encode")
+        )
+    return Row(
+        ISSUE8_METRIC,
+        f"ratio ≤ zipnn + {BF16_ZIPNN_GAP:.2f}; encode ≥ zstd-3",
+        f"ratio {sv:.3f} vs zipnn {zipnn:.3f} (gap {sv - zipnn:+.3f}); encode {enc:.0f} MB/s "
+        f"vs zstd-3 {zstd:.0f} MB/s; decode {c.dec['stepvault float']:.0f} MB/s "
+        f"(zstd-3 {c.dec['zstd-3']:.0f}); process got {c.cpu_share:.0%} of a core",
+        "PASS" if ok_ratio and ok_speed else "MISS",
+        "; ".join(why),
+    )
 
 
 def cold_rows(cold: ColdResults | None) -> list[Row]:
@@ -1557,6 +1598,54 @@ def render(
     return "\n".join(out)
 
 
+def codec_json(codecs: list[CodecRow]) -> list[dict[str, Any]]:
+    return [
+        {"dtype": c.dtype, "ratio": c.ratio, "enc": c.enc, "dec": c.dec, "breakdown": c.breakdown}
+        for c in codecs
+    ]
+
+
+def codecs_only(repeats: int, json_path: Path | None) -> int:
+    """``--codecs-only``: part 6 alone, printed (the markdown file is not touched)."""
+    t_start = time.perf_counter()
+    codecs, source = bench_codecs(
+        repeats, lambda msg: print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+    )
+    rows = codec_rows(codecs)
+    print(f"\n{source}; median of {repeats}; load average now {load_average()}\n")
+    print(
+        table(
+            ["codec", "dtype", "ratio", "encode MB/s", "decode MB/s"],
+            [
+                [name, c.dtype, f"{c.ratio[name]:.3f}", f"{c.enc[name]:.0f}", f"{c.dec[name]:.0f}"]
+                for c in codecs
+                for name in c.ratio
+            ],
+        )
+    )
+    print()
+    print(
+        table(
+            ["float codec stage (same loop, median)", "dtype", "seconds"],
+            [[k, c.dtype, f"{v:.4f}"] for c in codecs for k, v in c.breakdown.items()],
+        )
+    )
+    print()
+    print(
+        table(
+            ["metric", "target", "measured", "result"],
+            [[r.metric, r.target, r.measured, r.verdict] for r in rows],
+        )
+    )
+    for r in rows:
+        if r.verdict == "MISS":
+            print(f"MISS {r.metric}: {r.why or 'cause under investigation'}")
+    if json_path:
+        data = {"codecs": codec_json(codecs), "rows": [r.__dict__ for r in rows]}
+        json_path.write_text(json.dumps(data, indent=1))
+    return 0
+
+
 def cold_method(cold: ColdResults | None, args: argparse.Namespace) -> str:
     if cold is None or cold.skipped is not None:
         return f"- Cold restore: skipped ({'not run' if cold is None else cold.skipped})."
@@ -1715,6 +1804,12 @@ def main(argv: list[str] | None = None) -> int:
         "--codec-repeats", type=int, default=7, help="repeats of each codec run (median)"
     )
     ap.add_argument(
+        "--codecs-only",
+        action="store_true",
+        help="run only part 6 (the float codec against zstd-3 and zipnn, ~1 min): print its "
+        "rows and stage times; --out is left alone (--json is still written)",
+    )
+    ap.add_argument(
         "--out", type=Path, default=REPO / "BENCHMARKS.md", help="markdown file to update"
     )
     ap.add_argument(
@@ -1726,6 +1821,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("repeats must be >= 1")
     if args.async_repeats < 1 or args.async_saves < 2:
         ap.error("--async-repeats must be >= 1 and --async-saves >= 2 (a first and a later save)")
+
+    if args.codecs_only:
+        return codecs_only(args.codec_repeats, args.json)
 
     t_start = time.perf_counter()
     parent = args.workdir or REPO / "bench-out"
@@ -1775,19 +1873,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         write_section(args.out, section)
         if args.json:
-            data = {
-                "codecs": [
-                    {
-                        "dtype": c.dtype,
-                        "ratio": c.ratio,
-                        "enc": c.enc,
-                        "dec": c.dec,
-                        "breakdown": c.breakdown,
-                    }
-                    for c in codecs
-                ],
-                "rows": [r.__dict__ for r in rows],
-            }
+            data = {"codecs": codec_json(codecs), "rows": [r.__dict__ for r in rows]}
             args.json.write_text(json.dumps(data, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)

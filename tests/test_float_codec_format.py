@@ -83,8 +83,10 @@ def words(dtype: str, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     weights = (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
     if word.itemsize == 2:  # bfloat16 = upper half of fp32; float16 via numpy
-        weights = (weights >> 16) if dtype == "bfloat16" else (
-            (rng.standard_normal(n) * 0.02).astype(np.float16).view(np.uint16)
+        weights = (
+            (weights >> 16)
+            if dtype == "bfloat16"
+            else ((rng.standard_normal(n) * 0.02).astype(np.float16).view(np.uint16))
         )
     u = weights.astype(word)
     pick = rng.random(n)
