@@ -6,6 +6,9 @@ Kill it (Ctrl-C, ``kill -9``, a preemption) and run the same command again: it r
 the newest checkpoint that verifies and ends with the same weights, bit for bit, as a run
 that was never interrupted (the last line prints their digest). Exact mid-epoch resume
 needs a data loader that can save its position: torchdata's ``StatefulDataLoader``.
+
+``--devices 2`` trains with DDP on two CPU processes (Lightning starts the second one):
+rank 0 writes the checkpoints, every rank resumes from the same one, each with its own RNG.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from stepvault import Every, KeepLast, OnSignal
@@ -32,6 +35,11 @@ class Regressor(pl.LightningModule):
             torch.nn.Linear(hidden, 1),
         )
 
+    def setup(self, stage: str) -> None:
+        # Each rank draws its own dropout masks (as it would its own augmentations): the
+        # ranks' RNGs differ, and the checkpoint keeps every rank's.
+        torch.manual_seed(1000 + self.global_rank)
+
     def training_step(self, batch, batch_idx):
         if self.hparams.step_sleep:
             time.sleep(self.hparams.step_sleep)  # lets a test kill us mid-run
@@ -44,6 +52,34 @@ class Regressor(pl.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=25, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Data(pl.LightningDataModule):
+    """The data, shuffled by a ``DistributedSampler`` (one replica in a single process).
+
+    Its order in an epoch is a function of (seed, epoch) on every rank; the
+    ``StatefulDataLoader`` saves how far into the epoch it is. Two details make a mid-epoch
+    resume exact under DDP:
+
+    - the sampler is ours: left to itself, Lightning wraps a shuffling loader's sampler in
+      a ``DistributedSamplerWrapper`` that draws each epoch's order from the global torch
+      RNG when the epoch starts, which a resumed run cannot reproduce;
+    - ``set_epoch(trainer.current_epoch)`` here: when resuming mid-epoch Lightning builds
+      the restored iterator before it calls ``set_epoch``, so the sampler must already
+      know the epoch (the checkpoint is loaded before this hook runs).
+    """
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 8, generator=g)
+        y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(256, 1, generator=g)
+        ds = TensorDataset(x, y)
+        sampler = DistributedSampler(
+            ds, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
+            shuffle=True, seed=0,
+        )
+        sampler.set_epoch(self.trainer.current_epoch)
+        return StatefulDataLoader(ds, batch_size=16, sampler=sampler)
 
 
 def digest(module: torch.nn.Module) -> str:
@@ -62,13 +98,10 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--devices", type=int, default=1, help="CPU processes (DDP when > 1)")
     args = p.parse_args()
 
     pl.seed_everything(0, verbose=False)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=g)
-    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(256, 1, generator=g)
-    loader = StatefulDataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
 
     ckpt = StepvaultCheckpoint(
         args.root,
@@ -77,6 +110,9 @@ def main() -> None:
         keep=KeepLast(args.keep),
     )
     trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",  # gloo; rank 0 saves
         max_steps=args.max_steps,
         callbacks=[ckpt],
         logger=False,
@@ -85,10 +121,11 @@ def main() -> None:
         deterministic=True,
     )
     model = Regressor(step_sleep=args.step_sleep)
-    trainer.fit(model, loader, ckpt_path=ckpt.resume_path)
-    restored = ckpt.last_restore
-    print(f"RESUMED {restored.step}" if restored else "FRESH", flush=True)
-    print(f"FINAL {digest(model)}", flush=True)
+    trainer.fit(model, datamodule=Data(), ckpt_path=ckpt.resume_path)
+    if trainer.is_global_zero:
+        restored = ckpt.last_restore
+        print(f"RESUMED {restored.step}" if restored else "FRESH", flush=True)
+        print(f"FINAL {digest(model)}", flush=True)
 
 
 if __name__ == "__main__":

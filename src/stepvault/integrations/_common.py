@@ -107,3 +107,93 @@ def has_full_checkpoint(root: str | os.PathLike[str] | Store, run: str) -> bool:
     except StoreNotFoundError:
         return False
     return any(r.kind == "full" or not r.valid for r in checkpoint_records(store, run))
+
+
+# ------------------------------------------------------------------ several processes
+# Lightning and the HF Trainer gather a replicated (DDP) model on global rank 0 and write
+# the checkpoint there only; the other ranks never touch the store on save. What differs
+# between ranks is their RNG state: it is gathered to rank 0 and stored as a list, one entry
+# per rank (plain values and tensors: the safe encoding, never a pickle in the store).
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group; ``(0, 1)`` without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's Python/numpy/torch (and CUDA) RNG state, in rank order; a collective
+    call (every rank must make it). One process: a list of its own state."""
+    from ..state import RNGState
+
+    own = RNGState().state_dict()
+    _, world = rank_and_world()
+    if world == 1:
+        return [own]
+    everyone: list[Any] = [None] * world
+    # In transit between the ranks of one job only; what is stored is the safe encoding.
+    torch.distributed.all_gather_object(everyone, own)
+    return everyone
+
+
+def rng_state_of_this_rank(
+    states: list[dict[str, Any]] | None, default: dict[str, Any] | None, what: str
+) -> dict[str, Any] | None:
+    """This rank's entry of the stored per-rank RNG states.
+
+    ``states`` is the stored list (None for a checkpoint written by one process);
+    ``default`` the RNG state stored for rank 0. A rank with no entry of its own (the
+    checkpoint was written by fewer processes) gets ``default`` and a warning: its dropout
+    and augmentation draws will differ from the run that saved.
+    """
+    rank, world = rank_and_world()
+    if states is not None and rank < len(states):
+        return states[rank]
+    if world > 1:
+        saved = len(states) if states is not None else 1
+        import warnings
+
+        warnings.warn(
+            f"stepvault: {what} was saved by {saved} process(es); rank {rank} of {world} "
+            "has no RNG state of its own in it and continues from rank 0's",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return default
+
+
+def on_rank0(fn: Any, what: str) -> Any:
+    """``fn()`` on global rank 0, its result on every rank (a collective call).
+
+    An error on rank 0 is raised on every rank (rank 0 raises the original; the others a
+    :class:`StepvaultError` with its text), and a ``SystemExit`` (a save policy that exits
+    after a preemption save) exits every rank with the same code: no rank is left waiting
+    in a collective for a peer that has gone.
+    """
+    from ..errors import StepvaultError
+
+    rank, world = rank_and_world()
+    if world == 1:
+        return fn()
+    outcome: tuple[str, Any] = ("ok", None)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            outcome = ("ok", fn())
+        except SystemExit as exc:
+            outcome, error = ("exit", exc.code), exc
+        except BaseException as exc:  # every rank must hear of it
+            outcome, error = ("error", f"{type(exc).__name__}: {exc}"), exc
+    box = [outcome]
+    torch.distributed.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if error is not None:
+        raise error
+    if kind == "exit":
+        raise SystemExit(value)
+    if kind == "error":
+        raise StepvaultError(f"{what} failed on rank 0: {value}")
+    return value

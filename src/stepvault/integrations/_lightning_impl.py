@@ -9,6 +9,7 @@ behaviour lives here in two mixins that import no framework; :mod:`.lightning` a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -16,7 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ._common import finite_metrics, has_full_checkpoint, read_checkpoint
+from ._common import (
+    finite_metrics,
+    gather_rng_states,
+    has_full_checkpoint,
+    on_rank0,
+    rank_and_world,
+    read_checkpoint,
+    rng_state_of_this_rank,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -199,6 +208,7 @@ class CheckpointMixin:
         self._due: tuple[int, int | None, dict[str, float]] | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._at_epoch_end = False
+        self._deferred: BaseException | None = None
 
     # ------------------------------------------------------------------ Lightning paths
     @property
@@ -241,20 +251,23 @@ class CheckpointMixin:
     # ------------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
+        if trainer.world_size > 1:
+            self._check_strategy(strategy)
         if not isinstance(strategy.checkpoint_io, CheckpointIOMixin):
             self._io = self._io_class(self, strategy.checkpoint_io)
             strategy.checkpoint_io = self._io
-        if stage != "fit":
+        if stage != "fit" or self.manager is not None:
             return
+        options = dict(self.manager_options)
+        if trainer.max_steps and trainer.max_steps > 0:
+            options.setdefault("total_steps", trainer.max_steps)  # lets LastStep() fire
         if trainer.world_size > 1:
-            raise StepvaultError(
-                "StepvaultCheckpoint supports single-process training for now "
-                f"(this Trainer has {trainer.world_size} processes); see INTEGRATIONS.md"
-            )
-        if self.manager is None:
-            options = dict(self.manager_options)
-            if trainer.max_steps and trainer.max_steps > 0:
-                options.setdefault("total_steps", trainer.max_steps)  # lets LastStep() fire
+            # Lightning writes checkpoints on global rank 0 only (Strategy.save_checkpoint),
+            # so only rank 0 has a manager: rank-local (no collectives of its own), holding
+            # the run's lease. The other ranks take its decisions (see on_train_batch_end).
+            options["collective"] = False
+
+        def open_manager() -> None:
             self.manager = CheckpointManager(
                 self.root,
                 self.run,
@@ -262,6 +275,22 @@ class CheckpointMixin:
                 keep=self.keep_policy,
                 async_save=self.async_save,
                 **options,
+            )
+
+        on_rank0(open_manager, "opening the stepvault run")  # a lease error stops every rank
+
+    def _check_strategy(self, strategy: Any) -> None:
+        """Several processes: only strategies that save a full, replicated checkpoint
+        through the CheckpointIO on rank 0 (DDP and its variants) are supported."""
+        base = self._pl.strategies.Strategy
+        if type(strategy).save_checkpoint is not base.save_checkpoint:
+            raise StepvaultError(
+                f"StepvaultCheckpoint does not support {type(strategy).__name__} with several "
+                "processes: it shards the model or writes its own checkpoint files, and a "
+                "checkpoint written from rank 0 alone would miss the other ranks' shards. Use "
+                'strategy="ddp" (or "ddp_spawn"); for a sharded model (FSDP2/DTensor), save '
+                "with a stepvault.CheckpointManager called on every rank from your own loop "
+                "(see INTEGRATIONS.md)"
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -275,15 +304,27 @@ class CheckpointMixin:
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning stores no RNG state; this callback adds Python/numpy/torch RNGs so
-        that dropout, shuffles and augmentations continue exactly after a resume."""
+        that dropout, shuffles and augmentations continue exactly after a resume.
+
+        With several processes every rank's RNG state is gathered (Lightning asks every
+        rank for its callbacks' state, then writes rank 0's dict): ``rng_ranks`` holds
+        them in rank order and each rank takes its own back on resume.
+        """
         if not self.save_rng:
             return {}
-        return {"rng": RNGState().state_dict(), "at_epoch_end": self._at_epoch_end}
+        states = gather_rng_states()  # a collective call with several processes
+        own = states[rank_and_world()[0]]
+        out: dict[str, Any] = {"rng": own, "at_epoch_end": self._at_epoch_end}
+        if len(states) > 1:
+            out["rng_ranks"] = states
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        rng = state_dict.get("rng") if self.save_rng else None
-        if rng is None:
+        if not self.save_rng or state_dict.get("rng") is None:
             return
+        rng = rng_state_of_this_rank(
+            state_dict.get("rng_ranks"), state_dict["rng"], "this Lightning checkpoint"
+        )
         if state_dict.get("at_epoch_end"):
             # Lightning goes straight to the next epoch and builds its data iterator
             # before any batch hook; that iterator must draw from the restored RNG, as
@@ -315,19 +356,34 @@ class CheckpointMixin:
         if step == self._boundary or trainer.sanity_checking or trainer.fast_dev_run:
             return
         self._boundary = step
-        mgr = self.manager
-        if mgr is None:
-            return
         progress = trainer.fit_loop.epoch_loop.batch_progress
         self._at_epoch_end = bool(getattr(progress, "is_last_batch", False))
         epoch = trainer.current_epoch + (1 if self._at_epoch_end else 0)
-        if not mgr.should_save(step, epoch):
+        if trainer.world_size > 1:
+            # Rank 0 holds the manager and decides (clocks and signals differ between
+            # ranks); every rank must then call trainer.save_checkpoint (it dumps the
+            # state on every rank and ends with a barrier).
+            due = on_rank0(lambda: self.manager.should_save(step, epoch), "the save decision")
+        else:
+            due = self.manager is not None and self.manager.should_save(step, epoch)
+        if not due:
             return
         self._due = (step, epoch, finite_metrics(trainer.callback_metrics))
+        self._deferred = None
         try:
             trainer.save_checkpoint(f"{PREFIX}{step}", weights_only=False)
         finally:
             self._due = None
+        if trainer.world_size > 1:
+            # A failure (or a preemption exit) of rank 0's save was kept until every rank
+            # left save_checkpoint's barrier; now every rank raises (exits) together.
+            deferred, self._deferred = self._deferred, None
+
+            def outcome() -> None:
+                if deferred is not None:
+                    raise deferred
+
+            on_rank0(outcome, f"the stepvault save of step {step}")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.manager is not None:
@@ -388,29 +444,55 @@ class CheckpointMixin:
             "stepvault_version": __version__,
         }
         try:
-            # A due save follows the policy's decision (its kind, urgency, exit); a direct
-            # trainer.save_checkpoint("stepvault:N") always saves a full checkpoint.
-            mgr.save(
-                step,
-                self._split(checkpoint),
-                epoch=epoch,
-                metrics=metrics,
-                metadata=metadata,
-                force=due is None,
-            )
-        except UnsupportedTypeError as exc:
-            raise UnsupportedTypeError(
-                f"{exc}\n(state['lightning'] is Lightning's checkpoint dict: callbacks' "
-                "state_dict(), on_save_checkpoint() additions and save_hyperparameters(); "
-                "state['model'] is the module's state_dict)"
-            ) from None
+            try:
+                # A due save follows the policy's decision (its kind, urgency, exit); a
+                # direct trainer.save_checkpoint("stepvault:N") always saves a full one.
+                mgr.save(
+                    step,
+                    self._split(checkpoint),
+                    epoch=epoch,
+                    metrics=metrics,
+                    metadata=metadata,
+                    force=due is None,
+                )
+            except UnsupportedTypeError as exc:
+                raise UnsupportedTypeError(
+                    f"{exc}\n(state['lightning'] is Lightning's checkpoint dict: callbacks' "
+                    "state_dict(), on_save_checkpoint() additions and save_hyperparameters(); "
+                    "state['model'] is the module's state_dict)"
+                ) from None
+        except BaseException as exc:
+            if due is None or rank_and_world()[1] == 1:
+                raise
+            # Several processes: the other ranks wait in save_checkpoint's barrier; raising
+            # here would leave them there. on_train_batch_end raises it on every rank.
+            self._deferred = exc
 
     def load(self, step: int | Literal["latest", "best"] = "latest") -> dict[str, Any]:
         """Lightning's checkpoint dict of ``step``, read and verified from the store.
 
         ``"latest"`` is the newest full checkpoint that verifies (damaged ones are skipped,
-        reported in :attr:`last_restore`); an int is exactly that step.
+        reported in :attr:`last_restore`); an int is exactly that step. With several
+        processes (Lightning loads on every rank) rank 0 chooses the checkpoint and the
+        other ranks read exactly that step, so that every rank resumes from the same one.
         """
+        rank, world = rank_and_world()
+        if world == 1:
+            return self._read(step)
+        mine: dict[str, Any] = {}
+
+        def choose() -> RestoreInfo:
+            mine["checkpoint"] = self._read(step)
+            return self.last_restore
+
+        chosen = on_rank0(choose, "loading the stepvault checkpoint")
+        if rank == 0:
+            return mine["checkpoint"]
+        checkpoint = self._read(chosen.step)
+        self.last_restore = dataclasses.replace(self.last_restore, skipped=chosen.skipped)
+        return checkpoint
+
+    def _read(self, step: int | Literal["latest", "best"]) -> dict[str, Any]:
         holder: dict[str, Any] = {MODEL_KEY: None, LIGHTNING_KEY: None}
         if self.manager is not None:
             info = self.manager.restore(holder, step, strict=False)
@@ -427,7 +509,7 @@ class CheckpointMixin:
                 f"stepvault: skipped damaged checkpoint {self.run}@{skipped.step}: "
                 f"{skipped.reason}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         if holder[LIGHTNING_KEY] is None:
             # A weights-only checkpoint: enough for validate/test/predict; fit() stops with

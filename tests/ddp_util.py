@@ -1,0 +1,85 @@
+"""Helpers for the multi-process (DDP, gloo on CPU) trainer-integration tests: launch a
+2-process run, SIGKILL the whole job once it has a checkpoint, run it again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import stepvault
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+#: One intra-op thread per rank: two ranks share the machine's cores with other jobs.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
+    """The command line of ``examples/<script>`` under ``torch.distributed.run``."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", str(EXAMPLES / script), *args,
+    ]
+
+
+def example(script: str, *args: str) -> list[str]:
+    """The command line of ``examples/<script>`` (a script that starts its own ranks)."""
+    return [sys.executable, str(EXAMPLES / script), *args]
+
+
+def run_job(cmd: list[str], timeout: float = 240) -> str:
+    """Run a multi-process job to completion; its stdout (fails on a non-zero exit)."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # no rank left waiting in a collective
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-6000:]
+    return out
+
+
+def kill_job_when_saved(
+    cmd: list[str], root, run: str, *, min_step: int, timeout: float = 240
+) -> list[int]:
+    """Start the job in its own process group, SIGKILL every process of it once ``run``
+    has a committed checkpoint at ``min_step`` or later (a node lost mid-run); returns the
+    committed steps after it died."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+        start_new_session=True,
+    )
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"the job ended before it was killed: {proc.stderr.read()}")
+            try:
+                steps = stepvault.open(root).steps(run)
+            except stepvault.StepvaultError:
+                steps = []
+            if steps and steps[-1] >= min_step:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the job wrote no checkpoint at step >= {min_step} in time")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    return stepvault.open(root).steps(run)
+
+
+def final_digest(stdout: str) -> str:
+    return next(line.split()[1] for line in stdout.splitlines() if line.startswith("FINAL"))

@@ -1,0 +1,70 @@
+"""The trainer integrations under DDP: 2 real processes (gloo, CPU) per run.
+
+Each test trains a 2-process job to the end (the reference), trains the same job again and
+SIGKILLs every process of it once a checkpoint is committed (a lost node), runs the same
+command again (it resumes from the newest checkpoint that verifies, on every rank) and
+checks that the final weights are bitwise those of the reference. Then the 2-process
+checkpoint is restored in this single process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+import torch
+from ddp_util import example, final_digest, kill_job_when_saved, run_job
+
+import stepvault
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+]
+
+
+def _load_example(name: str):
+    """An example script as a module (its classes and digest function)."""
+    from ddp_util import EXAMPLES
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lightning_ddp_killed_and_resumed_is_bitwise(tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("torchdata.stateful_dataloader")
+    args = ["--run", "lit", "--max-steps", "40", "--save-every", "10", "--devices", "2"]
+    ref = run_job(example("lightning_train.py", "--root", str(tmp_path / "a"), *args))
+    reference = final_digest(ref)
+    root = tmp_path / "b"
+    cmd = example("lightning_train.py", "--root", str(root), *args)
+    # 8 batches per rank and epoch: step 20 is in the middle of the third epoch.
+    steps = kill_job_when_saved([*cmd, "--step-sleep", "0.1"], root, "lit", min_step=20)
+    assert 20 <= steps[-1] < 40
+    out = run_job(cmd)
+    assert f"RESUMED {steps[-1]}" in out
+    assert final_digest(out) == reference
+    vault = stepvault.open(root)
+    assert stepvault.verify(root, deep=True).ok
+    # Rank 0 wrote it; every rank's RNG state is in it (the ranks seed differently).
+    callbacks = vault.checkpoint("lit", 40).load()["lightning"]["callbacks"]
+    rng_ranks = next(iter(callbacks.values()))["rng_ranks"]
+    assert len(rng_ranks) == 2
+    assert not torch.equal(rng_ranks[0]["torch"], rng_ranks[1]["torch"])
+
+    # The 2-process checkpoint in one process: the weights, and a whole single-process
+    # Trainer resume (at max_steps, nothing left to train: the same weights).
+    lit = _load_example("lightning_train")
+    from stepvault.integrations.lightning import StepvaultCheckpoint
+
+    model = lit.Regressor()
+    model.load_state_dict(StepvaultCheckpoint(root, run="lit").load("latest")["state_dict"])
+    assert lit.digest(model) == reference
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # rank 0 finds its own RNG state
+        out = run_job(example("lightning_train.py", "--root", str(root), *args[:-2]))
+    assert "RESUMED 40" in out and final_digest(out) == reference
