@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .. import api, ops
 from ..errors import StepvaultError
 from ..store import Store
 from ..store.events import log_event, read_events
@@ -21,11 +20,13 @@ from .common import (
     RootOpt,
     _emit_json,
     _fail,
+    _ops,
     _root,
     _time,
     app,
     console,
     human_bytes,
+    open_vault,
 )
 
 
@@ -37,7 +38,7 @@ def ls_cmd(
 ) -> None:
     """List runs, or the checkpoints of RUN with step, time, sizes and metrics."""
     try:
-        vault = api.open(_root(root))
+        vault = open_vault(_root(root))
         if run is None:
             rows = []
             for name in vault.runs():
@@ -88,7 +89,7 @@ def show_cmd(
     """Show one checkpoint: metadata, metrics, sizes, state layout and (optionally) tensors."""
     try:
         run, step = parse_ref(ref)
-        ckpt = api.open(_root(root)).checkpoint(run, step)
+        ckpt = open_vault(_root(root)).checkpoint(run, step)
     except StepvaultError as exc:
         return _fail(exc)
     m = ckpt.manifest
@@ -152,9 +153,9 @@ def verify_cmd(
     try:
         run, step = parse_ref(ref) if ref else (None, None)
         if step == "latest":
-            steps = api.open(_root(root)).steps(run)
+            steps = open_vault(_root(root)).steps(run)
             step = steps[-1] if steps else None
-        report = ops.verify(_root(root), run, step, deep=deep)
+        report = _ops().verify(_root(root), run, step, deep=deep)
         registry: list[dict] = []
         if run is None and not signatures:  # (--signatures reports the registry itself)
             from ..registry import Registry
@@ -170,7 +171,7 @@ def verify_cmd(
                     "--signatures needs a key: --key PUBLIC.pem (or hmac:SECRET), or set "
                     "$STEPVAULT_VERIFY_KEY"
                 )
-            sig_report = ops.verify_signatures(
+            sig_report = _ops().verify_signatures(
                 Store.open(_root(root)), verifier, run=run, require=require
             )
     except StepvaultError as exc:
@@ -235,7 +236,7 @@ def du_cmd(
 
         return print_usage_by_tier(_root(root), as_json)
     try:
-        u = ops.usage(_root(root))
+        u = _ops().usage(_root(root))
     except StepvaultError as exc:
         return _fail(exc)
     if as_json:
@@ -274,7 +275,7 @@ def repair_cmd(
     """Deep-verify, then quarantine damaged checkpoints and objects so they are never offered
     again (manifests go to quarantine/manifests/, objects to quarantine/)."""
     try:
-        report = ops.repair_store(Store.open(_root(root)), run=run, dry_run=dry_run)
+        report = _ops().repair_store(Store.open(_root(root)), run=run, dry_run=dry_run)
     except StepvaultError as exc:
         return _fail(exc)
     if as_json:
@@ -309,7 +310,7 @@ def export_cmd(
     """Export weights as safetensors (one file, or an HF-style sharded set with an index)."""
     try:
         run, step = parse_ref(ref)
-        report = ops.export_weights(
+        report = _ops().export_weights(
             Store.open(_root(root)),
             run,
             step,
@@ -354,7 +355,7 @@ def import_dcp_cmd(
 ) -> None:
     """Import a DCP checkpoint directory (its metadata is a pickle: needs --trust)."""
     try:
-        info = ops.import_dcp(_root(root), path, run=run, step=step, trust=trust)
+        info = _ops().import_dcp(_root(root), path, run=run, step=step, trust=trust)
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
     if as_json:
@@ -418,7 +419,7 @@ def gc_cmd(
         if keep is not None and run is None:
             raise ValueError("keep rules apply to one run: stepvault gc RUN --keep-last 3")
         store = Store.open(_root(root))
-        result = ops.collect_garbage(
+        result = _ops().collect_garbage(
             store, run=run, keep=keep, dry_run=dry_run, grace_seconds=_parse_duration(grace)
         )
     except (StepvaultError, ValueError) as exc:

@@ -10,7 +10,6 @@ import typer
 from rich.table import Table
 from rich.tree import Tree
 
-from .. import ops
 from ..errors import StepvaultError
 from ..registry import Registry, lineage_report
 from ..store import Store
@@ -18,7 +17,7 @@ from ..store.annotations import write_annotation
 from ..store.events import log_event
 from ..store.signing import Signer, signer_from_env
 from ..vault import parse_ref
-from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, _time, app, console
+from .common import JsonOpt, RootOpt, _emit_json, _fail, _ops, _root, _time, app, console
 
 KeyOpt = Annotated[
     str | None,
@@ -83,7 +82,7 @@ def annotate_cmd(
 def _export_info(store: Store, run: str, step: int, out: str, **options: Any) -> dict[str, Any]:
     from blake3 import blake3
 
-    report = ops.export_weights(store, run, step, out, **options)
+    report = _ops().export_weights(store, run, step, out, **options)
     files = []
     for path in report.files:
         h = blake3(max_threads=blake3.AUTO)
@@ -333,7 +332,7 @@ def sign_cmd(
         signer = _signer(key)
         if signer is None:
             raise StepvaultError("no key: pass --key FILE.key (or hmac:SECRET)")
-        n = ops.sign_existing(Store.open(_root(root)), signer, run)
+        n = _ops().sign_existing(Store.open(_root(root)), signer, run)
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
     console.print(f"signed {n} manifest(s) of {run} with key {signer.key_id}", highlight=False)

@@ -1,8 +1,41 @@
-"""Engine layer: the write path and the read path."""
+"""Engine layer: the write path and the read path.
 
-from .reader import CheckpointReader, PendingArray, fetch_object
-from .staging import HostArray, from_bytes, to_host
-from .writer import WriteStats, default_workers, write_checkpoint, write_objects
+Its names are imported on first use (PEP 562), so that reading manifests and summaries
+(``stepvault ls``) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "CheckpointReader": ".reader",
+    "PendingArray": ".reader",
+    "fetch_object": ".reader",
+    "HostArray": ".staging",
+    "from_bytes": ".staging",
+    "to_host": ".staging",
+    "WriteStats": ".writer",
+    "default_workers": ".writer",
+    "write_checkpoint": ".writer",
+    "write_objects": ".writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .reader import CheckpointReader, PendingArray, fetch_object
+    from .staging import HostArray, from_bytes, to_host
+    from .writer import WriteStats, default_workers, write_checkpoint, write_objects
 
 __all__ = [
     "CheckpointReader",

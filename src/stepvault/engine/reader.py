@@ -11,10 +11,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..errors import CorruptObjectError, MissingObjectError
 from ..format.dtypes import dtype_info
@@ -23,8 +22,13 @@ from ..format.manifest import Manifest, TensorEntry
 from ..format.objects import decode_object
 from ..store import Store
 from .copying import parallel_copy
-from .staging import from_bytes
 from .writer import default_workers
+
+if TYPE_CHECKING:
+    import torch
+
+# torch (and .staging, which needs it) is imported where tensors are built, not here:
+# listing and inspecting a store reads manifests through this module without torch.
 
 
 def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryview:
@@ -116,6 +120,8 @@ class CheckpointReader:
 
     def meta(self, name: str) -> Any:
         """A zero-memory stand-in with the stored shape and dtype (for validation)."""
+        import torch
+
         entry = self.manifest.tensors[name]
         if entry.kind == "ndarray":
             one = np.zeros(1, dtype=dtype_info(entry.dtype).numpy)
@@ -137,6 +143,8 @@ class CheckpointReader:
         (the caller runs them all at once with :func:`~stepvault.engine.copying.
         parallel_copy`, spread over the cores); copies to other devices run here.
         """
+        import torch
+
         entry = name if isinstance(name, TensorEntry) else self.manifest.tensors[name]
         if (
             entry.kind != "tensor"
@@ -180,10 +188,14 @@ class CheckpointReader:
                 buf[at : at + length] = self._object(digest)[off : off + length]
                 at += length
             data = memoryview(buf)
+        from .staging import from_bytes
+
         return from_bytes(entry.kind, entry.dtype, entry.shape, data)
 
     def read_sharded(self, fqn: str) -> Any:
         """A tensor of a multi-rank checkpoint, assembled from its shards (verified)."""
+        import torch
+
         sharded = self.manifest.sharded or {"entries": {}}
         e = sharded["entries"].get(fqn)
         if e is None or e["type"] != "tensor":

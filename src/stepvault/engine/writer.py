@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..format.chunking import ArraySpec, ChunkPlan, plan_chunks
 from ..format.codecs import choose_codec
@@ -23,8 +23,10 @@ from ..format.hashing import content_hash
 from ..format.manifest import Manifest, ObjectEntry, TensorEntry, serialize_manifest
 from ..format.objects import encode_object
 from ..store import Store
-from .staging import HostArray
 from .summaries import record_commit
+
+if TYPE_CHECKING:  # .staging imports torch; reading a store needs neither
+    from .staging import HostArray
 
 
 def default_workers() -> int:

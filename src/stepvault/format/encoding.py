@@ -27,45 +27,65 @@ from __future__ import annotations
 
 import base64
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..errors import ManifestError, UnsupportedTypeError
 from .dtypes import dtype_from_numpy, dtype_info
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported only when a torch value is encoded or decoded: reading manifests
+# (``stepvault ls``, ``show``) goes through this module and must not pay for importing torch.
+# Encoding needs no import at all: a value can only be a torch object once torch is loaded.
+
 _SAFE_INT = 2**53
 #: Most decimal digits an ``$int`` may have (CPython's default int/str conversion limit).
 _MAX_INT_DIGITS = 4300
-_TORCH_DTYPES = {
-    name: getattr(torch, name)
-    for name in [
-        "bool",
-        "uint8",
-        "int8",
-        "uint16",
-        "int16",
-        "uint32",
-        "int32",
-        "uint64",
-        "int64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-    ]
-    if hasattr(torch, name)
-}
-_TORCH_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+_DTYPE_NAMES = [
+    "bool",
+    "uint8",
+    "int8",
+    "uint16",
+    "int16",
+    "uint32",
+    "int32",
+    "uint64",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+]
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    torch = _torch()
+    return {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
+
+
+@cache
+def _torch_dtype_names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in _torch_dtypes().items()}
 
 
 @dataclass(frozen=True)
@@ -162,12 +182,14 @@ class Encoder:
             if math.isfinite(value):
                 return value
             return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-        if isinstance(value, torch.Tensor) and self._on_array is None:
+        torch = sys.modules.get("torch")  # None: nothing here can be a torch value
+        is_tensor = torch is not None and isinstance(value, torch.Tensor)
+        if is_tensor and self._on_array is None:
             self._check_tensor(value, path)
             return _inline("torch", value)
         if t is np.ndarray and self._on_array is None and dtype_from_numpy(value.dtype):
             return _inline("numpy", value)
-        if isinstance(value, torch.Tensor):
+        if is_tensor:
             self._check_tensor(value, path)
             name = self._array_name(path)
             self._on_array(name, value)
@@ -198,12 +220,13 @@ class Encoder:
             return {"$tuple": [self.encode(v, (*path, i)) for i, v in enumerate(value)]}
         if isinstance(value, dict) and (t is dict or t.__module__ == "collections"):
             return self._encode_dict(value, path)
-        if t is torch.dtype:
-            return {"$dtype": _TORCH_DTYPE_NAMES[value]}
-        if t is torch.Size:
-            return {"$size": list(value)}
-        if t is torch.device:
-            return {"$device": str(value)}
+        if torch is not None:
+            if t is torch.dtype:
+                return {"$dtype": _torch_dtype_names()[value]}
+            if t is torch.Size:
+                return {"$size": list(value)}
+            if t is torch.device:
+                return {"$device": str(value)}
         conv = _BY_TYPE.get(t) or next(
             (c for k, c in _BY_TYPE.items() if isinstance(value, k)), None
         )
@@ -236,11 +259,12 @@ class Encoder:
 
     @staticmethod
     def _check_tensor(t: torch.Tensor, path: tuple) -> None:
+        torch = _torch()
         if t.layout != torch.strided:
             raise UnsupportedTypeError(
                 f"{_path_text(path)}: {t.layout} tensors are not supported; call .to_dense()"
             )
-        if t.is_quantized or t.dtype not in _TORCH_DTYPE_NAMES:
+        if t.is_quantized or t.dtype not in _torch_dtype_names():
             raise UnsupportedTypeError(f"{_path_text(path)}: tensor dtype {t.dtype} not supported")
         if t.device.type == "meta":
             raise UnsupportedTypeError(
@@ -257,8 +281,9 @@ class Encoder:
 
 def _inline(kind: str, value: Any) -> dict[str, Any]:
     if kind == "torch":
+        torch = _torch()
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        dtype, shape = _TORCH_DTYPE_NAMES[t.dtype], list(t.shape)
+        dtype, shape = _torch_dtype_names()[t.dtype], list(t.shape)
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     else:
         dtype, shape = dtype_from_numpy(value.dtype), list(value.shape)
@@ -283,6 +308,7 @@ def _decode_inline(arg: Any) -> Any:
         if info.numpy is None:
             raise ManifestError(f"numpy has no dtype {dtype!r}")
         return np.frombuffer(raw, dtype=info.numpy).reshape(shape)
+    torch = _torch()
     if count == 0:
         return torch.empty(shape, dtype=torch_dtype(dtype))
     return torch.frombuffer(raw, dtype=torch_dtype(dtype)).reshape(shape)
@@ -290,14 +316,14 @@ def _decode_inline(arg: Any) -> Any:
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
     """Format dtype name of a torch dtype."""
-    return _TORCH_DTYPE_NAMES[dtype]
+    return _torch_dtype_names()[dtype]
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """Torch dtype for a format dtype name (ValueError when this torch lacks it)."""
     dtype_info(name)
     try:
-        return _TORCH_DTYPES[name]
+        return _torch_dtypes()[name]
     except KeyError:
         raise ValueError(f"this torch has no dtype {name!r}") from None
 
@@ -376,10 +402,10 @@ def _decode(obj: Any, get_array):
             # torch.Size accepts any int but breaks on first use beyond int64.
             if not all(type(d) is int and -(2**63) <= d < 2**63 for d in dims):
                 raise ManifestError("bad $size")
-            return torch.Size(dims)
+            return _torch().Size(dims)
         if tag == "$device":
             try:
-                return torch.device(_expect(arg, str))
+                return _torch().device(_expect(arg, str))
             except RuntimeError as exc:  # torch reports bad device strings as RuntimeError
                 raise ManifestError(f"bad $device value: {exc}") from None
         if tag == "$ext":
