@@ -7,6 +7,13 @@ Kill it and run the same command again: the Trainer resumes from the newest chec
 that verifies (model, optimizer, scheduler, RNGs, TrainerState, data position) and ends
 with the same weights, bit for bit, as an uninterrupted run (the last line prints their
 digest). Nothing is written to ``checkpoint-N`` folders and nothing is pickled.
+
+With DDP on two CPU processes (gloo):
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 examples/hf_trainer.py ...
+
+process zero writes the checkpoints (with every rank's RNG state), every rank resumes from
+the same one.
 """
 
 from __future__ import annotations
@@ -45,6 +52,14 @@ class Sleep(TrainerCallback):
         time.sleep(self.seconds)
 
 
+class SeedPerRank(TrainerCallback):
+    """Each rank its own dropout masks (as it would draw its own augmentations): the
+    Trainer seeds every rank alike. Before any step, so a resume restores over it."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        torch.manual_seed(1000 + args.process_index)
+
+
 def digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in module.state_dict().items():
@@ -56,7 +71,7 @@ def digest(module: torch.nn.Module) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", default="ckpts")
-    p.add_argument("--run", default="gpt2-tiny")
+    p.add_argument("--run", "--run-name", default="gpt2-tiny")  # torchrun rejects "--run"
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--keep", type=int, default=3)
@@ -85,14 +100,15 @@ def main() -> None:
         disable_tqdm=True,
         seed=0,
     )
-    callbacks = [ckpt] + ([Sleep(args.step_sleep)] if args.step_sleep else [])
+    callbacks = [ckpt, SeedPerRank()] + ([Sleep(args.step_sleep)] if args.step_sleep else [])
     trainer = StepvaultTrainer(
         model=model, args=training_args, train_dataset=RandomTokens(), callbacks=callbacks
     )
     trainer.train(resume_from_checkpoint=ckpt.has_checkpoint)  # newest valid, or fresh
-    restored = ckpt.last_restore
-    print(f"RESUMED {restored.step}" if restored else "FRESH", flush=True)
-    print(f"FINAL {digest(model)}", flush=True)
+    if trainer.is_world_process_zero():
+        restored = ckpt.last_restore
+        print(f"RESUMED {restored.step}" if restored else "FRESH", flush=True)
+        print(f"FINAL {digest(model)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,19 +39,50 @@ def run_job(cmd: list[str], timeout: float = 240) -> str:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # no rank left waiting in a collective
+        kill_job(proc.pid)  # no rank left waiting in a collective
         proc.communicate()
         raise
     assert proc.returncode == 0, err[-6000:]
     return out
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc: torchrun starts each worker in a
+    session of its own, so killing torchrun's process group would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_job(pid: int) -> None:
+    """SIGKILL the job started as ``pid`` and every process below it (a lost node)."""
+    for victim in [pid, *_descendants(pid)]:  # all found first: orphans change parent
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def kill_job_when_saved(
     cmd: list[str], root, run: str, *, min_step: int, timeout: float = 240
 ) -> list[int]:
-    """Start the job in its own process group, SIGKILL every process of it once ``run``
-    has a committed checkpoint at ``min_step`` or later (a node lost mid-run); returns the
-    committed steps after it died."""
+    """Start the job, SIGKILL every process of it once ``run`` has a committed checkpoint
+    at ``min_step`` or later (a node lost mid-run); returns the committed steps after it
+    died."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
         start_new_session=True,
@@ -70,15 +101,33 @@ def kill_job_when_saved(
             time.sleep(0.05)
         else:
             raise AssertionError(f"the job wrote no checkpoint at step >= {min_step} in time")
-        os.killpg(proc.pid, signal.SIGKILL)
+        victims = _descendants(proc.pid)
+        kill_job(proc.pid)
         proc.wait(timeout=60)
+        _wait_gone(victims)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc.pid)
             proc.wait()
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
     return stepvault.open(root).steps(run)
+
+
+def _wait_gone(pids: list[int], timeout: float = 30) -> None:
+    """Until every process in ``pids`` has exited (a killed orphan is reaped by init)."""
+    deadline = time.time() + timeout
+    while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in pids):
+        assert time.time() < deadline, f"processes {pids} outlived SIGKILL"
+        time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def final_digest(stdout: str) -> str:

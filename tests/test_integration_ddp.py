@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from ddp_util import example, final_digest, kill_job_when_saved, run_job
+from ddp_util import example, final_digest, kill_job_when_saved, run_job, torchrun
 
 import stepvault
 
@@ -68,3 +68,34 @@ def test_lightning_ddp_killed_and_resumed_is_bitwise(tmp_path):
         warnings.simplefilter("error", RuntimeWarning)  # rank 0 finds its own RNG state
         out = run_job(example("lightning_train.py", "--root", str(root), *args[:-2]))
     assert "RESUMED 40" in out and final_digest(out) == reference
+
+
+def test_hf_trainer_ddp_killed_and_resumed_is_bitwise(tmp_path):
+    pytest.importorskip("transformers")
+    # torchrun's own parser takes "--run" for its "--run-path": the example also reads
+    # "--run-name".
+    args = ["--run-name", "hf", "--max-steps", "30", "--save-every", "10"]
+    ref = run_job(torchrun("hf_trainer.py", "--root", str(tmp_path / "a"), *args))
+    reference = final_digest(ref)
+    root = tmp_path / "b"
+    cmd = torchrun("hf_trainer.py", "--root", str(root), *args)
+    steps = kill_job_when_saved([*cmd, "--step-sleep", "0.1"], root, "hf", min_step=10)
+    assert 10 <= steps[-1] < 30
+    out = run_job(cmd)
+    assert f"RESUMED {steps[-1]}" in out
+    assert final_digest(out) == reference
+    assert stepvault.verify(root, deep=True).ok
+    rng = stepvault.open(root).checkpoint("hf", 30).load()["rng"]
+    assert len(rng["ranks"]) == 2  # what rng_state_0.pth and rng_state_1.pth would hold
+    assert not torch.equal(rng["ranks"][0]["torch"], rng["ranks"][1]["torch"])
+
+    # In one process: the weights, and a whole Trainer resume (nothing left to train).
+    hf = _load_example("hf_trainer")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2,
+                                       n_head=2, bos_token_id=0, eos_token_id=0))
+    stepvault.restore(root, {"model": model}, run="hf", strict=False)
+    assert hf.digest(model) == reference
+    out = run_job(example("hf_trainer.py", "--root", str(root), *args))
+    assert "RESUMED 30" in out and final_digest(out) == reference

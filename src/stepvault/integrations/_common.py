@@ -150,10 +150,12 @@ def rng_state_of_this_rank(
     and augmentation draws will differ from the run that saved.
     """
     rank, world = rank_and_world()
-    if states is not None and rank < len(states):
+    if states is None:
+        states = [default] if default is not None else []
+    if rank < len(states):
         return states[rank]
     if world > 1:
-        saved = len(states) if states is not None else 1
+        saved = len(states)
         import warnings
 
         warnings.warn(

@@ -21,9 +21,14 @@ history, best metric, stateful callbacks) as one stepvault checkpoint instead of
 newest checkpoint that verifies (an int: exactly that step; a path string: an ordinary
 ``checkpoint-N`` folder, loaded by the Trainer as usual).
 
+Under DDP (``torchrun --nproc_per_node N``) the world process zero writes the checkpoint
+(a rank-local manager that holds the run's lease) with every rank's RNG state gathered
+into it, takes the save decisions for all ranks, and chooses the checkpoint every rank
+resumes from. DeepSpeed and FSDP are refused.
+
 Hooks overridden (Transformers 5.x): ``_save_checkpoint``, ``_load_from_checkpoint``,
 ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``, and ``train`` (to
-pick the checkpoint). Single process only for now (no DeepSpeed/FSDP).
+pick the checkpoint).
 """
 
 from __future__ import annotations
@@ -37,12 +42,22 @@ import tempfile
 import warnings
 from typing import Any
 
-from ._common import finite_metrics, has_full_checkpoint, missing_framework
+from ._common import (
+    finite_metrics,
+    gather_rng_states,
+    has_full_checkpoint,
+    missing_framework,
+    on_rank0,
+    rank_and_world,
+    read_checkpoint,
+    rng_state_of_this_rank,
+)
 
 try:
     import transformers
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_callback import ExportableState
+    from transformers.training_args import ParallelMode
 except ImportError as exc:
     raise ImportError(
         missing_framework("transformers", "Hugging Face Transformers", "transformers")
@@ -98,6 +113,7 @@ class StepvaultCallback(TrainerCallback):
         self.manager_options = manager_options
         self.manager: CheckpointManager | None = None
         self.last_restore: RestoreInfo | None = None
+        self._opened = False
 
     @property
     def has_checkpoint(self) -> bool:
@@ -105,25 +121,38 @@ class StepvaultCallback(TrainerCallback):
         verifies is decided when it is loaded)."""
         return has_full_checkpoint(self.root, self.run)
 
-    def open(self, total_steps: int | None = None) -> CheckpointManager:
-        """The manager (created, and the run's lease taken, on first use)."""
-        if self.manager is None:
+    def open(self, total_steps: int | None = None) -> CheckpointManager | None:
+        """The manager (created, and the run's lease taken, on first use).
+
+        With several processes (DDP) only the world process zero has one (rank-local: the
+        Trainer saves from that process only); the others get None. The first call is
+        then a collective one: every rank makes it at the same point of ``train``.
+        """
+        if not self._opened:
             options = dict(self.manager_options)
             if total_steps:
                 options.setdefault("total_steps", total_steps)
-            self.manager = CheckpointManager(
-                self.root,
-                self.run,
-                save=self.save_policy,
-                keep=self.keep_policy,
-                async_save=self.async_save,
-                **options,
-            )
+            if rank_and_world()[1] > 1:
+                options["collective"] = False
+
+            def create() -> None:
+                self.manager = CheckpointManager(
+                    self.root,
+                    self.run,
+                    save=self.save_policy,
+                    keep=self.keep_policy,
+                    async_save=self.async_save,
+                    **options,
+                )
+
+            on_rank0(create, "opening the stepvault run")  # a lease error stops every rank
+            self._opened = True
         return self.manager
 
     def close(self, *, quiet: bool = False) -> None:
         """Wait for the save in flight and release the run (done at the end of ``train``)."""
         mgr, self.manager = self.manager, None
+        self._opened = False
         if mgr is None:
             return
         try:
@@ -135,14 +164,19 @@ class StepvaultCallback(TrainerCallback):
     # ---------------------------------------------------------------- Trainer events
     def on_train_begin(self, args, state, control, **kwargs):
         mgr = self.open(state.max_steps or None)
-        if mgr.total_steps is None and state.max_steps:
+        if mgr is not None and mgr.total_steps is None and state.max_steps:
             mgr.total_steps = state.max_steps  # opened by a resume, before max_steps was known
 
     def _decide(self, state, control) -> None:
         if self.save_policy is None:
             return  # the Trainer's save_strategy decides
         epoch = math.floor(state.epoch) if state.epoch is not None else None
-        control.should_save = self.open().should_save(state.global_step, epoch)
+        self.open()
+        # Several processes: process zero decides for all (clocks and signals differ),
+        # every rank then enters _save_checkpoint together.
+        control.should_save = on_rank0(
+            lambda: self.manager.should_save(state.global_step, epoch), "the save decision"
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         self._decide(state, control)
@@ -186,10 +220,19 @@ class StepvaultTrainerMixin:
 
     def _stepvault_check(self) -> None:
         args = self.args
-        if args.world_size > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise StepvaultError(
-                "the stepvault Trainer integration supports single-process training for "
-                "now (no DDP/DeepSpeed/FSDP); see INTEGRATIONS.md"
+                "the stepvault Trainer integration does not support DeepSpeed or FSDP (they "
+                "shard the model and optimizer; a checkpoint written by process zero alone "
+                "would miss the other ranks' shards). Train with DDP (torchrun without "
+                "--deepspeed/--fsdp), or for a sharded model save with a "
+                "stepvault.CheckpointManager called on every rank from an Accelerate or "
+                "plain loop; see INTEGRATIONS.md"
+            )
+        if args.world_size > 1 and args.parallel_mode != ParallelMode.DISTRIBUTED:
+            raise StepvaultError(
+                f"the stepvault Trainer integration supports DDP (torchrun) with several "
+                f"processes, not {args.parallel_mode}; see INTEGRATIONS.md"
             )
         if self.model_init is not None:
             raise StepvaultError(
@@ -232,24 +275,39 @@ class StepvaultTrainerMixin:
 
     def _stepvault_prepare_resume(self, cb: StepvaultCallback, step: Any) -> str:
         """Load the checkpoint (verified; the model in place, the rest kept for the hooks)
-        and write the one file the Trainer insists on reading: ``trainer_state.json``."""
+        and write the one file the Trainer insists on reading: ``trainer_state.json``.
+
+        Several processes: process zero chooses the checkpoint (the newest that verifies,
+        through its manager) and the other ranks read exactly that step, so that every
+        rank resumes from the same one.
+        """
         mgr = cb.open()
         holder: dict[str, Any] = dict.fromkeys(_KEYS)
         holder["model"] = self.model
-        info = mgr.restore(holder, step)
-        if info is None:
-            raise ValueError(
-                f"No valid checkpoint found in stepvault run {cb.run!r} of {cb.root} "
-                "(resume_from_checkpoint=ckpt.has_checkpoint starts fresh when there is none)"
-            )
+
+        def choose() -> RestoreInfo:
+            info = mgr.restore(holder, step)
+            if info is None:
+                raise ValueError(
+                    f"No valid checkpoint found in stepvault run {cb.run!r} of {cb.root} "
+                    "(resume_from_checkpoint=ckpt.has_checkpoint starts fresh when there is "
+                    "none)"
+                )
+            return info
+
+        info = on_rank0(choose, "choosing the checkpoint to resume from")
+        if mgr is None:  # not process zero: the same step, exactly
+            mine = read_checkpoint(cb.root, cb.run, holder, info.step)
+            info = dataclasses.replace(mine, skipped=info.skipped)
         cb.last_restore = info
-        for skipped in info.skipped:
-            warnings.warn(
-                f"stepvault: skipped damaged checkpoint {cb.run}@{skipped.step}: "
-                f"{skipped.reason}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if mgr is not None:
+            for skipped in info.skipped:
+                warnings.warn(
+                    f"stepvault: skipped damaged checkpoint {cb.run}@{skipped.step}: "
+                    f"{skipped.reason}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         scratch = tempfile.mkdtemp(prefix="stepvault-resume-")
         with open(os.path.join(scratch, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             json.dump(holder["trainer_state"], f)
@@ -287,14 +345,30 @@ class StepvaultTrainerMixin:
         tree = self._stepvault_restored(checkpoint)
         if tree is None:
             return super()._load_rng_state(checkpoint)
-        RNGState().load_state_dict(tree["rng"])
+        rng = tree["rng"]
+        # Written by several processes: "ranks" holds each rank's state (what the Trainer
+        # keeps in rng_state_{rank}.pth); every rank takes its own.
+        ranks = rng.get("ranks") if isinstance(rng, dict) else None
+        own = rng_state_of_this_rank(ranks, rng, f"stepvault run {self._stepvault_callback().run}")
+        RNGState().load_state_dict(own)
 
     # ------------------------------------------------------------------ save hook
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         cb = self._stepvault_callback()
-        mgr = cb.open()
+        cb.open()
         if self.hp_search_backend is None and trial is None:
-            self.store_flos()
+            self.store_flos()  # a collective with several processes: on every rank
+        # Every rank's RNG (the Trainer writes rng_state_{rank}.pth on each); the rest of the
+        # state is replicated and written by process zero, which reports to every rank how
+        # the save went (an error, or a policy's exit after a preemption save, stops all).
+        rng_states = gather_rng_states()
+        on_rank0(
+            lambda: self._stepvault_write(cb, rng_states),
+            f"the stepvault save of step {self.state.global_step}",
+        )
+
+    def _stepvault_write(self, cb: StepvaultCallback, rng_states: list[dict[str, Any]]) -> None:
+        mgr = cb.open()
         # What Trainer._save_checkpoint does before writing the state: record the state of
         # the ExportableState callbacks (early stopping...) and of TrainerControl.
         for obj in [*self.callback_handler.callbacks, self.control]:
@@ -305,12 +379,15 @@ class StepvaultTrainerMixin:
                 else:
                     self.state.stateful_callbacks[name] = obj.state()
         scaler = getattr(self.accelerator, "scaler", None)
+        rng: Any = RNGState()
+        if len(rng_states) > 1:
+            rng = {**rng_states[0], "ranks": rng_states}  # process zero's, and every rank's
         state = {
             "model": self.model,
             "optimizer": self.optimizer,
             "scheduler": self.lr_scheduler,
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": RNGState(),
+            "rng": rng,
             # The JSON that TrainerState.save_to_json writes, as plain values.
             "trainer_state": json.loads(json.dumps(dataclasses.asdict(self.state))),
         }
@@ -321,6 +398,7 @@ class StepvaultTrainerMixin:
             "stepvault_version": __version__,
             "model_class": type(self.model).__name__,
             "model_config": json.loads(config.to_json_string()) if config is not None else None,
+            "world_size": len(rng_states),
         }
         step = self.state.global_step
         epoch = math.floor(self.state.epoch) if self.state.epoch is not None else None
