@@ -5,6 +5,14 @@
 Gradient accumulation, a shuffled stateful data loader (its position is saved), dropout
 and a scheduler. Kill it and run the same command again: it resumes from the newest checkpoint
 that verifies and ends with the same weights, bit for bit, as an uninterrupted run.
+
+With two processes (DDP, gloo on CPU), under ``accelerate launch`` or
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        examples/accelerate_train.py --run-name acc-demo
+
+every rank saves and restores together (replicated tensors are written once; each rank's
+RNG state and data position are its own).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ def digest(module: torch.nn.Module) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", default="ckpts")
-    p.add_argument("--run", default="acc-demo")
+    p.add_argument("--run", "--run-name", default="acc-demo")  # torchrun rejects "--run"
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--keep", type=int, default=3)
@@ -64,6 +72,9 @@ def main() -> None:
         TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
     model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    # Each rank its own dropout masks (as it would draw its own augmentations); a restore
+    # gives every rank back its own RNG state.
+    torch.manual_seed(1000 + accelerator.process_index)
 
     progress = {"epoch": 0, "step": 0}  # plain values, saved and restored with the rest
     ckpt = AcceleratorCheckpointer(
@@ -71,7 +82,8 @@ def main() -> None:
         save=Every(steps=args.save_every) | OnSignal(), keep=KeepLast(args.keep),
     )
     info = ckpt.restore()
-    print(f"RESUMED {info.step}" if info else "FRESH", flush=True)
+    if accelerator.is_main_process:
+        print(f"RESUMED {info.step}" if info else "FRESH", flush=True)
     while progress["step"] < args.steps:
         loader.set_epoch(progress["epoch"])  # the shuffle order of this epoch
         for xb, yb in loader:
@@ -90,7 +102,8 @@ def main() -> None:
         else:
             progress["epoch"] += 1
     ckpt.close()
-    print(f"FINAL {digest(accelerator.unwrap_model(model))}", flush=True)
+    if accelerator.is_main_process:
+        print(f"FINAL {digest(accelerator.unwrap_model(model))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -99,3 +99,35 @@ def test_hf_trainer_ddp_killed_and_resumed_is_bitwise(tmp_path):
     assert hf.digest(model) == reference
     out = run_job(example("hf_trainer.py", "--root", str(root), *args))
     assert "RESUMED 30" in out and final_digest(out) == reference
+
+
+def test_accelerate_ddp_killed_and_resumed_is_bitwise(tmp_path):
+    pytest.importorskip("accelerate")
+    pytest.importorskip("torchdata.stateful_dataloader")
+    args = ["--run-name", "acc", "--steps", "40", "--save-every", "10"]
+    ref = run_job(torchrun("accelerate_train.py", "--root", str(tmp_path / "a"), *args))
+    reference = final_digest(ref)
+    root = tmp_path / "b"
+    cmd = torchrun("accelerate_train.py", "--root", str(root), *args)
+    steps = kill_job_when_saved([*cmd, "--step-sleep", "0.1"], root, "acc", min_step=20)
+    assert 20 <= steps[-1] < 40
+    out = run_job(cmd)
+    assert f"RESUMED {steps[-1]}" in out
+    assert final_digest(out) == reference
+    assert stepvault.verify(root, deep=True).ok
+    # Every rank saved (collective): replicated tensors once, each rank's RNG state apart.
+    checkpoint = stepvault.open(root).checkpoint("acc", 40)
+    assert checkpoint.is_sharded
+    rng = checkpoint.load()["rng"]
+    assert sorted(rng) == ["rank0", "rank1"]
+    assert not torch.equal(rng["rank0"]["torch"], rng["rank1"]["torch"])
+
+    # In one process: the weights, and the whole example resumed (nothing left to train).
+    acc = _load_example("accelerate_train")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+    )
+    stepvault.restore(root, {"model": model}, run="acc", strict=False)
+    assert acc.digest(model) == reference
+    out = run_job(example("accelerate_train.py", "--root", str(root), *args))
+    assert "RESUMED 40" in out and final_digest(out) == reference

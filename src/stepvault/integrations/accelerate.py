@@ -51,6 +51,7 @@ except ImportError as exc:
 
 from .. import __version__
 from ..api import RestoreInfo, restore, save
+from ..errors import StepvaultError
 from ..manager import CheckpointManager, SaveHandle
 from ..policy import KeepPolicy, SavePolicy
 from ..state import RNGState
@@ -74,6 +75,7 @@ def accelerator_state(
     ones), ``dataloader``... (stateful data loaders only), ``scaler``, ``rng``,
     ``accelerate_step``, ``custom_0``... (``register_for_checkpointing``), then ``extra``.
     """
+    _check_distributed_type(accelerator)
     state: dict[str, Any] = {}
     for i, model in enumerate(accelerator._models):
         # Unwrapped, so that keys have no "module." prefix and the checkpoint loads (and
@@ -97,6 +99,24 @@ def accelerator_state(
             raise ValueError(f"extra key {key!r} clashes with the accelerator's own {key!r}")
         state[key] = value
     return state
+
+
+#: Accelerate's sharding engines: their models and optimizers are not what
+#: ``unwrap_model`` and the optimizer's ``state_dict`` return on one rank.
+_REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
+
+
+def _check_distributed_type(accelerator: Accelerator) -> None:
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind in _REFUSED:
+        raise StepvaultError(
+            f"the stepvault Accelerate integration does not support {kind}: it shards or "
+            "wraps the model and optimizer in ways this integration does not save or "
+            "restore. Use DDP (accelerate launch / torchrun without a DeepSpeed, FSDP or "
+            "Megatron config); for a sharded FSDP2/DTensor model, put the model and "
+            "optimizer in a stepvault.CheckpointManager state called on every rank "
+            "(see INTEGRATIONS.md)"
+        )
 
 
 def _metadata() -> dict[str, Any]:
