@@ -10,11 +10,15 @@ checkpoint is restored in this single process.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from ddp_util import example, final_digest, kill_job_when_saved, run_job, torchrun
+from ddp_util import ENV, example, final_digest, kill_job_when_saved, run_job, torchrun
+from integration_util import damage_newest
 
 import stepvault
 
@@ -45,8 +49,11 @@ def test_lightning_ddp_killed_and_resumed_is_bitwise(tmp_path):
     # 8 batches per rank and epoch: step 20 is in the middle of the third epoch.
     steps = kill_job_when_saved([*cmd, "--step-sleep", "0.1"], root, "lit", min_step=20)
     assert 20 <= steps[-1] < 40
+    # The newest checkpoint is damaged: rank 0 skips it, and every rank resumes from the
+    # one before (the step rank 0 chose), still bitwise.
+    assert damage_newest(root, "lit") == steps[-1]
     out = run_job(cmd)
-    assert f"RESUMED {steps[-1]}" in out
+    assert f"RESUMED {steps[-2]}" in out
     assert final_digest(out) == reference
     vault = stepvault.open(root)
     assert stepvault.verify(root, deep=True).ok
@@ -131,3 +138,33 @@ def test_accelerate_ddp_killed_and_resumed_is_bitwise(tmp_path):
     assert acc.digest(model) == reference
     out = run_job(example("accelerate_train.py", "--root", str(root), *args))
     assert "RESUMED 40" in out and final_digest(out) == reference
+
+
+def _fails(cmd: list[str], timeout: float = 120) -> str:
+    """Run a job that must fail on every rank (not hang in a collective); its stderr."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode != 0 and "FINISHED" not in proc.stdout
+    return proc.stderr
+
+
+def test_lightning_ddp_save_error_on_rank0_stops_every_rank(tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    script = Path(__file__).parent / "scripts" / "lightning_ddp_fails.py"
+    err = _fails([sys.executable, str(script), str(tmp_path)])
+    key = "hyper_parameters']['data_dir']: cannot store a value of type pathlib.PosixPath"
+    assert f"[rank0]: stepvault.errors.UnsupportedTypeError: state['lightning']['{key}" in err
+    assert "[rank1]: stepvault.errors.StepvaultError: the stepvault save of step 2 failed " \
+        "on rank 0: UnsupportedTypeError" in err
+    assert stepvault.open(tmp_path).steps("bad") == []
+    stepvault.CheckpointManager(tmp_path, "bad").close()  # rank 0 released the lease
+
+
+def test_hf_trainer_ddp_lease_held_elsewhere_stops_every_rank(tmp_path):
+    pytest.importorskip("transformers")
+    args = ["--root", str(tmp_path), "--run-name", "hf", "--max-steps", "4"]
+    with stepvault.CheckpointManager(tmp_path, "hf"):  # another job writes this run
+        err = _fails(torchrun("hf_trainer.py", *args))
+    assert "[rank0]: stepvault.store.lease.LeaseHeldError" in err
+    assert "[rank1]: stepvault.errors.StepvaultError: opening the stepvault run failed on " \
+        "rank 0: LeaseHeldError" in err
+    assert stepvault.open(tmp_path).steps("hf") == []
