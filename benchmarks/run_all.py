@@ -167,8 +167,7 @@ def summary_rows(work: Path) -> list[list[str]]:
             why = (
                 f"encode {enc:.0f} MB/s vs zstd-3 {zstd:.0f} MB/s on one thread: the float "
                 f"codec splits bytes into streams and entropy-codes them, zstd-3 is one pass; "
-                f"its encode time ({whole:.3f} s) went to {split or 'see the core section'}. "
-                "The codec (format/codecs.py) was not changed in this work"
+                f"its encode time ({whole:.3f} s) went to {split or 'see the core section'}"
             )
         if not ok_ratio:
             why = f"ratio {sv:.3f} vs zipnn {zipnn:.3f}; " + why
