@@ -17,8 +17,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
-    """The command line of ``examples/<script>`` under ``torch.distributed.run``."""
+def torchrun(script: str | Path, *args: str, nproc: int = 2) -> list[str]:
+    """The command line of ``script`` (a path, or a name in ``examples/``) under
+    ``torch.distributed.run``."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", str(EXAMPLES / script), *args,

@@ -168,3 +168,27 @@ def test_hf_trainer_ddp_lease_held_elsewhere_stops_every_rank(tmp_path):
     assert "[rank1]: stepvault.errors.StepvaultError: opening the stepvault run failed on " \
         "rank 0: LeaseHeldError" in err
     assert stepvault.open(tmp_path).steps("hf") == []
+
+
+def test_accelerate_save_state_load_state_on_2_ranks(tmp_path):
+    pytest.importorskip("accelerate")
+    script = Path(__file__).parent / "scripts" / "accelerate_ddp_state.py"
+    out = run_job(torchrun(script, str(tmp_path)))
+    assert "RANK 0 OK" in out and "RANK 1 OK" in out
+    # The 2-rank checkpoint loads into one process's Accelerator.
+    from accelerate import Accelerator
+
+    from stepvault.integrations.accelerate import load_state
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = acc.prepare(model, opt)
+    progress = {"epoch": 0}
+    assert load_state(acc, tmp_path, run="st", extra=progress).step == 3
+    assert progress == {"epoch": 1}
+    saved = stepvault.open(tmp_path).checkpoint("st", 3).load()
+    assert all(torch.equal(v, saved["model"][k]) for k, v in model.state_dict().items())
+    assert opt.state_dict()["state"][0]["momentum_buffer"] is not None
