@@ -170,6 +170,12 @@ class CheckpointMixin:
     Every finite scalar in ``trainer.callback_metrics`` (what ``self.log`` recorded) is
     stored as a metric of the checkpoint, so ``KeepBest(3, metric="val_loss")`` and
     ``ckpt_path="best"`` work.
+
+    Under DDP (``strategy="ddp"``) global rank 0 holds the manager (rank-local, with the
+    run's lease) and writes, as Lightning writes its own checkpoints; its save policy
+    decides for every rank; every rank's RNG state goes into the checkpoint; on resume
+    rank 0 chooses the checkpoint and every rank loads that one. Strategies that shard
+    the model (FSDP, DeepSpeed, model parallel) are refused.
     """
 
     #: The Lightning package (``lightning.pytorch`` or ``pytorch_lightning``) and the

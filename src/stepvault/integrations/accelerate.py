@@ -28,7 +28,11 @@ optimizer and scheduler, the ``GradScaler``, the state of stateful data loaders
 (``DataLoaderConfiguration(use_stateful_dataloader=True)``), the RNGs (Python, numpy,
 torch, CUDA), ``accelerator.step`` and each object registered with
 ``accelerator.register_for_checkpointing`` — as one verified, pickle-free checkpoint,
-plus the ``extra`` values you pass. Accelerate's own ``register_save_state_pre_hook`` /
+plus the ``extra`` values you pass. With several processes (DDP under ``accelerate launch``
+or ``torchrun``) every rank calls these together, as it calls ``accelerator.save_state``:
+replicated tensors are written once, each rank's RNG state is kept apart, and the
+checkpoint is committed only once every rank has written its part. DeepSpeed, FSDP and
+Megatron-LM configurations are refused. Accelerate's own ``register_save_state_pre_hook`` /
 ``register_load_state_pre_hook`` only change how model weights are written next to
 pickled optimizer and RNG files in a folder, so they are not used (and not called).
 """
