@@ -1285,7 +1285,9 @@ def async_rows(m: AsyncResults) -> list[Row]:
             "async save stall, first save (staging buffers allocated)",
             "—",
             f"{first:.2f} s = {first / sync:.2f}x the synchronous save; "
-            f"{median([float(x) for x in m.first_faults]) * PAGE / GB:.2f} GB page-faulted; "
+            # A fault maps a 4 KiB page, or a 2 MiB huge page where the staging block got
+            # transparent huge pages: count faults, not bytes.
+            f"{median([float(x) for x in m.first_faults]):.0f} page faults; "
             + stall_summary(m, later=False),
             "info",
         ),

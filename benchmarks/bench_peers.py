@@ -211,7 +211,11 @@ def save_peers(
 
 
 def bench_save(
-    flat: dict[str, torch.Tensor], work: Path, repeats: int, log: Callable[[str], None]
+    flat: dict[str, torch.Tensor],
+    work: Path,
+    repeats: int,
+    log: Callable[[str], None],
+    only: list[str] | None = None,
 ) -> Results:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -220,7 +224,7 @@ def bench_save(
     res = Results(logical, len(flat))
     peers = save_peers(flat, work)
     prime = make_prime(flat, work)
-    names = list(peers)
+    names = [n for n in peers if only is None or n in only]
     # Libraries' first-call costs (thread pools, imports) are not what is compared.
     tiny = {"x": torch.zeros(16)}
     warm = work / "warm"
@@ -599,6 +603,29 @@ def render(
     return "\n".join(out)
 
 
+def stall_only(
+    flat: dict[str, torch.Tensor], work: Path, repeats: int, log: Callable[[str], None]
+) -> int:
+    """The async stall target alone (``--stall-only``): the same saves as the full run."""
+    res = bench_save(flat, work, repeats, log, only=["stepvault", "stepvault-async", "dcp-async"])
+    sync = [r.seconds for r in res.saves["stepvault"]]
+    stall = [r.stall for r in res.saves["stepvault-async"]]
+    dcp = [r.stall for r in res.saves["dcp-async"]]
+    print()
+    for label, xs in (
+        ("stepvault synchronous save", sync),
+        ("stepvault async stall", stall),
+        ("DCP async_save stall", dcp),
+    ):
+        print(f"{label}: median {median(xs):.4f} s  [{' '.join(f'{x:.4f}' for x in xs)}]")
+    ratio = median(stall) / median(sync)
+    print(
+        f"async stall / synchronous save: {ratio:.3f} (target <= {STALL_TARGET:g}: "
+        f"{verdict(ratio <= STALL_TARGET)}); copy speed {res.logical / GB / median(stall):.1f} GB/s"
+    )
+    return 0
+
+
 # -- main -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -611,6 +638,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     ap.add_argument("--plot", default=None, help="plot path to link from the section")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch parent")
+    ap.add_argument(
+        "--stall-only",
+        action="store_true",
+        help="only the async stall target: stepvault sync and async saves and DCP async_save "
+        "(no restore; prints the numbers, leaves BENCHMARKS.md alone)",
+    )
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -630,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = shape_for(args.size_mb)
         _, flat = build_state(shape)
         log(f"state: {shape.describe()}, {sum(t.nbytes for t in flat.values()) / GB:.3f} GB")
+        if args.stall_only:
+            return stall_only(flat, work, args.repeats, log)
         res = bench_save(flat, work, args.repeats, log)
         bench_restore(flat, res, work, args.repeats, log)
         rows = evaluate(res)

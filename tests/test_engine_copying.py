@@ -65,3 +65,65 @@ def test_staging_uses_one_block_reused_until_the_layout_changes():
     assert area._block is not block and area.nbytes == 64 * 3 + 256
     area.release()
     assert area.nbytes == 0
+
+
+def test_split_spans_covers_every_byte_once_in_balanced_shares():
+    spans = [(1 << 40, 1 << 30, 10_000), (2 << 40, 2 << 30, 3), (3 << 40, 3 << 30, 50_000)]
+    for parts in (1, 2, 3, 4):
+        shares = copying.split_spans(spans, parts)
+        assert 1 <= len(shares) <= parts
+        flat = [s for share in shares for s in share]
+        # Same bytes, in order, nothing lost or doubled: merge the pieces back.
+        merged: list[list[int]] = []
+        for dst, src, n in flat:
+            last = merged[-1] if merged else None
+            if last and last[0] + last[2] == dst and last[1] + last[2] == src:
+                last[2] += n
+            else:
+                merged.append([dst, src, n])
+        assert [tuple(m) for m in merged] == spans
+        sizes = [sum(n for _, _, n in share) for share in shares]
+        assert max(sizes) - min(sizes) <= copying.SHARE_ALIGN + 60_003 // parts
+
+
+def test_copy_spans_copies_on_several_threads():
+    src = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    cuts = ((0, 300_001), (300_001, (1 << 20) - 300_001))
+    spans = [(dst.ctypes.data + at, src.ctypes.data + at, n) for at, n in cuts]
+    shares = copying.split_spans(spans, 3)
+    assert len(shares) == 3
+    copying.copy_spans(shares)
+    assert np.array_equal(dst, src)
+
+
+def test_staging_follows_tensors_whose_storage_or_layout_changed(monkeypatch):
+    # The copy plan is cached per layout; it must never copy from a stale address.
+    monkeypatch.setattr(copying, "PARALLEL_FROM", 1 << 10)  # the threaded path, small
+    area = StagingArea(pin_memory=False)
+    lin = torch.nn.Linear(300, 200)
+    state = {"w": lin.weight, "b": lin.bias, "t": torch.arange(6.0).reshape(2, 3)}
+
+    def staged(name):
+        a = out[name]
+        return torch.frombuffer(bytearray(a.data), dtype=torch.float32).reshape(a.shape)
+
+    out = area.stage(state)
+    assert torch.equal(staged("w"), lin.weight.detach())
+    plan = area._plan
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # in place: same storage, same plan
+    out = area.stage(state)
+    assert area._plan is plan and torch.equal(staged("w"), lin.weight.detach())
+    lin.weight.data = torch.randn(200, 300)  # new storage behind the same Parameter
+    out = area.stage(state)
+    assert area._plan is not plan and torch.equal(staged("w"), lin.weight.detach())
+    state["t"] = torch.arange(6.0).reshape(3, 2).t()  # not contiguous: copied by torch
+    out = area.stage(state)
+    assert torch.equal(staged("t"), state["t"])
+    snapshot = {k: staged(k).clone() for k in state}
+    with torch.no_grad():  # training goes on at once: the staged bytes do not move
+        for t in (lin.weight, lin.bias, state["t"]):
+            t.mul_(-3.0)
+    assert all(torch.equal(staged(k), v) for k, v in snapshot.items())
+    area.release()
