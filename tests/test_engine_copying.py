@@ -127,3 +127,27 @@ def test_staging_follows_tensors_whose_storage_or_layout_changed(monkeypatch):
             t.mul_(-3.0)
     assert all(torch.equal(staged(k), v) for k, v in snapshot.items())
     area.release()
+
+
+def test_tied_tensors_are_staged_once_and_saved_under_both_names(tmp_path):
+    emb = torch.nn.Embedding(1000, 64)
+    head = torch.nn.Linear(64, 1000, bias=False)
+    head.weight = emb.weight  # tied, as GPT-2's wte and lm_head
+    area = StagingArea(pin_memory=False)
+    state = {"wte": emb.weight, "lm_head": head.weight, "b": torch.ones(3)}
+    out = area.stage(state)
+    assert area.nbytes == emb.weight.nbytes + 64  # one copy of the tied weight
+    assert out["wte"].data is out["lm_head"].data
+    # Through the manager: both names saved and restored, the copy taken at save().
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    expected = emb.weight.detach().clone()
+    with stepvault.CheckpointManager(tmp_path, "r", async_save=True) as mgr:
+        handle = mgr.save(1, {"model": model}, force=True)
+        with torch.no_grad():
+            emb.weight.add_(1.0)  # training goes on before the write
+        handle.result()
+    ckpt = stepvault.open(tmp_path).checkpoint("r", 1)
+    names = [n for n in ckpt.tensor_names() if n.endswith("weight")]
+    assert len(names) == 2
+    for name in names:
+        assert torch.equal(ckpt.tensor(name), expected), name

@@ -128,15 +128,29 @@ class StagingArea:
             name: value.detach() if isinstance(value, torch.Tensor) else np.asarray(value)
             for name, value in arrays.items()
         }
+        # The same storage under two names (tied weights: an embedding and the output
+        # layer) is staged once; both names view that one copy.
+        first: dict[tuple, str] = {}
+        alias: dict[str, str] = {}
+        for sig in signature:
+            if sig[1] == "raw":
+                alias[sig[0]] = first.setdefault(sig[2:], sig[0])
         buffers = self._layout(
             {
-                name: v.numel() * v.element_size() if isinstance(v, torch.Tensor) else v.nbytes
+                name: 0
+                if alias.get(name, name) != name
+                else v.numel() * v.element_size()
+                if isinstance(v, torch.Tensor)
+                else v.nbytes
                 for name, v in values.items()
             }
         )
         spans: list[Span] = []
         plan = _Plan(signature, [])
         for sig, (name, value) in zip(signature, values.items()):
+            if alias.get(name, name) != name:
+                plan.out[name] = plan.out[alias[name]]
+                continue
             buf = buffers[name]
             view = memoryview(buf.numpy()).cast("B")
             if isinstance(value, torch.Tensor):
