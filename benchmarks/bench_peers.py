@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when loaded by path
@@ -117,6 +118,9 @@ class Results:
     hash_only: list[float] = field(default_factory=list)  # BLAKE3 of the bytes in memory
     copy_ref: list[float] = field(default_factory=list)  # plain copy_ of the state
     staging_held: int = 0  # stepvault manager: staging buffers kept between saves
+    # Bare memory copy of the state (numpy, into a reused pre-faulted buffer), timed right
+    # before each async save's priming: the memory speed the stall is up against.
+    stall_floor: list[float] = field(default_factory=list)
 
     def save_s(self, peer: str) -> float:
         return median([r.seconds for r in self.saves[peer]])
@@ -210,6 +214,17 @@ def save_peers(
     }
 
 
+def bare_copy(flat: dict[str, torch.Tensor], dst: np.ndarray) -> float:
+    """Seconds of one plain copy of every tensor's bytes into ``dst`` (one thread, numpy)."""
+    srcs = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in flat.values()]
+    at = 0
+    t0 = time.perf_counter()
+    for src in srcs:
+        np.copyto(dst[at : at + src.nbytes], src)
+        at += src.nbytes
+    return time.perf_counter() - t0
+
+
 def bench_save(
     flat: dict[str, torch.Tensor],
     work: Path,
@@ -225,6 +240,7 @@ def bench_save(
     peers = save_peers(flat, work)
     prime = make_prime(flat, work)
     names = [n for n in peers if only is None or n in only]
+    floor_dst: np.ndarray | None = None
     # Libraries' first-call costs (thread pools, imports) are not what is compared.
     tiny = {"x": torch.zeros(16)}
     warm = work / "warm"
@@ -249,6 +265,9 @@ def bench_save(
                 with torch.no_grad():
                     for t in flat.values():
                         t.add_(1.0)
+                if floor_dst is None:
+                    floor_dst = np.ones(logical, dtype=np.uint8)  # pre-faulted
+                res.stall_floor.append(bare_copy(flat, floor_dst))
             gc.collect()
             prime()
             os.sync()
@@ -432,7 +451,11 @@ def evaluate(res: Results) -> list[Row]:
             f"{res.stall('dcp-async') / res.save_s('dcp'):.3f}",
             verdict(stall <= STALL_TARGET),
             f"the stall is the copy of {fmt_bytes(res.logical)} into reused staging buffers "
-            f"({res.logical / GB / res.stall('stepvault-async'):.1f} GB/s)",
+            f"({res.logical / GB / res.stall('stepvault-async'):.1f} GB/s); a bare numpy copy "
+            f"of the same bytes into a pre-faulted buffer before each of these saves took "
+            f"{median(res.stall_floor):.3f} s ({res.logical / GB / median(res.stall_floor):.1f}"
+            f" GB/s), {median(res.stall_floor) / res.save_s('stepvault'):.3f}x the "
+            "synchronous save: the memory copy alone",
         )
     )
     for peer in res.saves:
@@ -619,6 +642,8 @@ def stall_only(
     ):
         print(f"{label}: median {median(xs):.4f} s  [{' '.join(f'{x:.4f}' for x in xs)}]")
     ratio = median(stall) / median(sync)
+    floor = median(res.stall_floor)
+    print(f"bare numpy copy of the same bytes (pre-faulted destination): median {floor:.4f} s")
     print(
         f"async stall / synchronous save: {ratio:.3f} (target <= {STALL_TARGET:g}: "
         f"{verdict(ratio <= STALL_TARGET)}); copy speed {res.logical / GB / median(stall):.1f} GB/s"
