@@ -69,21 +69,29 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_job(pid: int) -> None:
-    """SIGKILL the job started as ``pid`` and every process below it (a lost node)."""
+def kill_job(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the job started as ``pid`` and to every process below it."""
     for victim in [pid, *_descendants(pid)]:  # all found first: orphans change parent
         try:
-            os.kill(victim, signal.SIGKILL)
+            os.kill(victim, sig)
         except ProcessLookupError:
             pass
 
 
 def kill_job_when_saved(
-    cmd: list[str], root, run: str, *, min_step: int, timeout: float = 240
-) -> list[int]:
-    """Start the job, SIGKILL every process of it once ``run`` has a committed checkpoint
-    at ``min_step`` or later (a node lost mid-run); returns the committed steps after it
-    died."""
+    cmd: list[str],
+    root,
+    run: str,
+    *,
+    min_step: int,
+    sig: int = signal.SIGKILL,
+    main_only: bool = False,
+    timeout: float = 240,
+) -> tuple[list[int], int]:
+    """Start the job, send ``sig`` to every process of it once ``run`` has a committed
+    checkpoint at ``min_step`` or later (SIGKILL: a node lost mid-run; SIGTERM: a
+    preemption notice, as schedulers send it to every process); ``main_only``: to the
+    process started only. Returns the committed steps after it ended and its exit status."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
         start_new_session=True,
@@ -103,16 +111,18 @@ def kill_job_when_saved(
         else:
             raise AssertionError(f"the job wrote no checkpoint at step >= {min_step} in time")
         victims = _descendants(proc.pid)
-        kill_job(proc.pid)
-        proc.wait(timeout=60)
+        if main_only:
+            os.kill(proc.pid, sig)
+        else:
+            kill_job(proc.pid, sig)
+        proc.wait(timeout=120)
         _wait_gone(victims)
     finally:
         if proc.poll() is None:
             kill_job(proc.pid)
             proc.wait()
         proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
-    return stepvault.open(root).steps(run)
+    return stepvault.open(root).steps(run), proc.returncode
 
 
 def _wait_gone(pids: list[int], timeout: float = 30) -> None:

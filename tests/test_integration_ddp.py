@@ -10,6 +10,7 @@ checkpoint is restored in this single process.
 from __future__ import annotations
 
 import importlib.util
+import signal
 import subprocess
 import sys
 import warnings
@@ -38,17 +39,24 @@ def _load_example(name: str):
     return module
 
 
-def test_lightning_ddp_killed_and_resumed_is_bitwise(tmp_path):
+def test_lightning_ddp_preempted_killed_and_resumed_is_bitwise(tmp_path):
     pytest.importorskip("lightning.pytorch")
     pytest.importorskip("torchdata.stateful_dataloader")
     args = ["--run", "lit", "--max-steps", "40", "--save-every", "10", "--devices", "2"]
     ref = run_job(example("lightning_train.py", "--root", str(tmp_path / "a"), *args))
     reference = final_digest(ref)
     root = tmp_path / "b"
-    cmd = example("lightning_train.py", "--root", str(root), *args)
+    cmd = [*example("lightning_train.py", "--root", str(root), *args), "--step-sleep", "0.1"]
+    # SIGTERM to the main process (rank 0; Lightning passes it on to rank 1): OnSignal
+    # saves at the next step boundary and every rank exits with 143.
+    steps, status = kill_job_when_saved(
+        cmd, root, "lit", min_step=10, sig=signal.SIGTERM, main_only=True
+    )
+    assert status == 143 and steps[-1] % 10 != 0 and steps[-1] < 20
     # 8 batches per rank and epoch: step 20 is in the middle of the third epoch.
-    steps = kill_job_when_saved([*cmd, "--step-sleep", "0.1"], root, "lit", min_step=20)
-    assert 20 <= steps[-1] < 40
+    steps, status = kill_job_when_saved(cmd, root, "lit", min_step=20)
+    assert status == -signal.SIGKILL and 20 <= steps[-1] < 40
+    cmd = cmd[:-2]
     # The newest checkpoint is damaged: rank 0 skips it, and every rank resumes from the
     # one before (the step rank 0 chose), still bitwise.
     assert damage_newest(root, "lit") == steps[-1]
@@ -77,7 +85,7 @@ def test_lightning_ddp_killed_and_resumed_is_bitwise(tmp_path):
     assert "RESUMED 40" in out and final_digest(out) == reference
 
 
-def test_hf_trainer_ddp_killed_and_resumed_is_bitwise(tmp_path):
+def test_hf_trainer_ddp_preempted_killed_and_resumed_is_bitwise(tmp_path):
     pytest.importorskip("transformers")
     # torchrun's own parser takes "--run" for its "--run-path": the example also reads
     # "--run-name".
@@ -86,8 +94,13 @@ def test_hf_trainer_ddp_killed_and_resumed_is_bitwise(tmp_path):
     reference = final_digest(ref)
     root = tmp_path / "b"
     cmd = torchrun("hf_trainer.py", "--root", str(root), *args)
-    steps = kill_job_when_saved([*cmd, "--step-sleep", "0.1"], root, "hf", min_step=10)
-    assert 10 <= steps[-1] < 30
+    slow = [*cmd, "--step-sleep", "0.1"]
+    # SIGTERM to every process of the job (as schedulers do): process zero's OnSignal
+    # saves at the next step; the other rank records the signal instead of dying at once.
+    steps, status = kill_job_when_saved(slow, root, "hf", min_step=10, sig=signal.SIGTERM)
+    assert status != 0 and steps[-1] % 10 != 0 and steps[-1] < 20
+    steps, status = kill_job_when_saved(slow, root, "hf", min_step=20)
+    assert status == -signal.SIGKILL and 20 <= steps[-1] < 30
     out = run_job(cmd)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference
@@ -116,8 +129,8 @@ def test_accelerate_ddp_killed_and_resumed_is_bitwise(tmp_path):
     reference = final_digest(ref)
     root = tmp_path / "b"
     cmd = torchrun("accelerate_train.py", "--root", str(root), *args)
-    steps = kill_job_when_saved([*cmd, "--step-sleep", "0.1"], root, "acc", min_step=20)
-    assert 20 <= steps[-1] < 40
+    steps, status = kill_job_when_saved([*cmd, "--step-sleep", "0.1"], root, "acc", min_step=20)
+    assert status == -signal.SIGKILL and 20 <= steps[-1] < 40
     out = run_job(cmd)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference

@@ -199,3 +199,28 @@ def on_rank0(fn: Any, what: str) -> Any:
     if kind == "error":
         raise StepvaultError(f"{what} failed on rank 0: {value}")
     return value
+
+
+class PolicySignals:
+    """The save policy's signal handlers on a rank that has no manager (DDP, rank != 0).
+
+    A preemption notice reaches every process of a job (torchrun, SLURM and Kubernetes
+    signal them all). Rank 0's manager installs its policy's handlers (``OnSignal``); the
+    other ranks install the same ones, which only record the signal, so that the default
+    action does not kill them (nor a trainer's own handler start a collective of its own)
+    while rank 0 saves at the next step boundary and every rank then exits together.
+    """
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.installed = False
+
+    def install(self) -> None:
+        if not self.installed:
+            self.policy.install()
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            self.installed = False
+            self.policy.uninstall()

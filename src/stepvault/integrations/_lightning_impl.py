@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ._common import (
+    PolicySignals,
     finite_metrics,
     gather_rng_states,
     has_full_checkpoint,
@@ -215,6 +216,7 @@ class CheckpointMixin:
         self._pending_rng: dict[str, Any] | None = None
         self._at_epoch_end = False
         self._deferred: BaseException | None = None
+        self._signals = PolicySignals(self.save_policy)
 
     # ------------------------------------------------------------------ Lightning paths
     @property
@@ -284,6 +286,8 @@ class CheckpointMixin:
             )
 
         on_rank0(open_manager, "opening the stepvault run")  # a lease error stops every rank
+        if self.manager is None:
+            self._signals.install()  # the other ranks survive a preemption notice
 
     def _check_strategy(self, strategy: Any) -> None:
         """Several processes: only strategies that save a full, replicated checkpoint
@@ -408,6 +412,7 @@ class CheckpointMixin:
         self._io = None
 
     def _close(self, *, quiet: bool) -> None:
+        self._signals.uninstall()
         mgr, self.manager = self.manager, None
         if mgr is None:
             return

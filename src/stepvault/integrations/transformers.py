@@ -43,6 +43,7 @@ import warnings
 from typing import Any
 
 from ._common import (
+    PolicySignals,
     finite_metrics,
     gather_rng_states,
     has_full_checkpoint,
@@ -114,6 +115,7 @@ class StepvaultCallback(TrainerCallback):
         self.manager: CheckpointManager | None = None
         self.last_restore: RestoreInfo | None = None
         self._opened = False
+        self._signals = PolicySignals(save) if save is not None else None
 
     @property
     def has_checkpoint(self) -> bool:
@@ -147,12 +149,16 @@ class StepvaultCallback(TrainerCallback):
 
             on_rank0(create, "opening the stepvault run")  # a lease error stops every rank
             self._opened = True
+            if self.manager is None and self._signals is not None:
+                self._signals.install()  # the other ranks survive a preemption notice
         return self.manager
 
     def close(self, *, quiet: bool = False) -> None:
         """Wait for the save in flight and release the run (done at the end of ``train``)."""
         mgr, self.manager = self.manager, None
         self._opened = False
+        if self._signals is not None:
+            self._signals.uninstall()
         if mgr is None:
             return
         try:
