@@ -642,8 +642,13 @@ def stall_only(
     ):
         print(f"{label}: median {median(xs):.4f} s  [{' '.join(f'{x:.4f}' for x in xs)}]")
     ratio = median(stall) / median(sync)
-    floor = median(res.stall_floor)
-    print(f"bare numpy copy of the same bytes (pre-faulted destination): median {floor:.4f} s")
+    floor = res.stall_floor
+    print(
+        f"bare numpy copy of the same bytes (pre-faulted destination, before each async save): "
+        f"median {median(floor):.4f} s  [{' '.join(f'{x:.4f}' for x in floor)}]"
+    )
+    paired = [a / b for a, b in zip(stall, floor)]
+    print(f"stall / bare copy before it: median {median(paired):.2f}")
     print(
         f"async stall / synchronous save: {ratio:.3f} (target <= {STALL_TARGET:g}: "
         f"{verdict(ratio <= STALL_TARGET)}); copy speed {res.logical / GB / median(stall):.1f} GB/s"
