@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
     return _final(_run(tmp_path_factory.mktemp("ref") / "store"))
 
 
-@pytest.mark.parametrize("seed", range(2000, 2006))
+@pytest.mark.parametrize("seed", range(2000, 2004))
 def test_multi_rank_job_killed_at_random_instants(tmp_path, reference, seed):
     rng = random.Random(seed)
     root, pids = tmp_path / "store", tmp_path / "pids"
