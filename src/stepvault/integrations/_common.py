@@ -224,3 +224,30 @@ class PolicySignals:
         if self.installed:
             self.installed = False
             self.policy.uninstall()
+
+
+def open_manager_on_rank0(owner: Any, options: dict[str, Any]) -> None:
+    """Give ``owner.manager`` a :class:`CheckpointManager` on global rank 0 only.
+
+    Lightning and the HF Trainer write checkpoints from rank 0 alone, so under several
+    processes that manager is rank-local (``collective=False``) and holds the run's lease;
+    the other ranks take its decisions. A lease error on rank 0 stops every rank.
+    ``owner`` has ``root``, ``run``, ``save_policy``, ``keep_policy`` and ``async_save``.
+    """
+    from ..manager import CheckpointManager
+
+    options = dict(options)
+    if rank_and_world()[1] > 1:
+        options["collective"] = False
+
+    def create() -> None:
+        owner.manager = CheckpointManager(
+            owner.root,
+            owner.run,
+            save=owner.save_policy,
+            keep=owner.keep_policy,
+            async_save=owner.async_save,
+            **options,
+        )
+
+    on_rank0(create, "opening the stepvault run")

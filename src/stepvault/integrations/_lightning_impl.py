@@ -23,6 +23,7 @@ from ._common import (
     gather_rng_states,
     has_full_checkpoint,
     on_rank0,
+    open_manager_on_rank0,
     rank_and_world,
     read_checkpoint,
     rng_state_of_this_rank,
@@ -269,23 +270,9 @@ class CheckpointMixin:
         options = dict(self.manager_options)
         if trainer.max_steps and trainer.max_steps > 0:
             options.setdefault("total_steps", trainer.max_steps)  # lets LastStep() fire
-        if trainer.world_size > 1:
-            # Lightning writes checkpoints on global rank 0 only (Strategy.save_checkpoint),
-            # so only rank 0 has a manager: rank-local (no collectives of its own), holding
-            # the run's lease. The other ranks take its decisions (see on_train_batch_end).
-            options["collective"] = False
-
-        def open_manager() -> None:
-            self.manager = CheckpointManager(
-                self.root,
-                self.run,
-                save=self.save_policy,
-                keep=self.keep_policy,
-                async_save=self.async_save,
-                **options,
-            )
-
-        on_rank0(open_manager, "opening the stepvault run")  # a lease error stops every rank
+        # Lightning writes checkpoints on global rank 0 only (Strategy.save_checkpoint), so
+        # only rank 0 has a manager; the other ranks take its decisions (on_train_batch_end).
+        open_manager_on_rank0(self, options)
         if self.manager is None:
             self._signals.install()  # the other ranks survive a preemption notice
 

@@ -49,7 +49,7 @@ from ._common import (
     has_full_checkpoint,
     missing_framework,
     on_rank0,
-    rank_and_world,
+    open_manager_on_rank0,
     read_checkpoint,
     rng_state_of_this_rank,
 )
@@ -134,20 +134,7 @@ class StepvaultCallback(TrainerCallback):
             options = dict(self.manager_options)
             if total_steps:
                 options.setdefault("total_steps", total_steps)
-            if rank_and_world()[1] > 1:
-                options["collective"] = False
-
-            def create() -> None:
-                self.manager = CheckpointManager(
-                    self.root,
-                    self.run,
-                    save=self.save_policy,
-                    keep=self.keep_policy,
-                    async_save=self.async_save,
-                    **options,
-                )
-
-            on_rank0(create, "opening the stepvault run")  # a lease error stops every rank
+            open_manager_on_rank0(self, options)
             self._opened = True
             if self.manager is None and self._signals is not None:
                 self._signals.install()  # the other ranks survive a preemption notice
