@@ -90,6 +90,33 @@ def test_failure_before_commit_leaves_no_checkpoint(tmp_path, monkeypatch):
     assert stepvault.usage(tmp_path).unreferenced_objects == 1
 
 
+def test_failure_while_writing_objects_leaves_nothing_staged_or_visible(tmp_path, monkeypatch):
+    """Objects are staged and published together: a save failing midway publishes none."""
+    from stepvault.engine import writer
+
+    stepvault.save(tmp_path, {"t": torch.ones(100)}, run="r", step=1)
+    before = sorted(p.name for p in (tmp_path / "objects").glob("*/*"))
+    real_encode, calls = writer.encode_object, []
+
+    def encode_then_fail(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("simulated device error on the third object")
+        return real_encode(*a, **k)
+
+    monkeypatch.setattr(writer, "encode_object", encode_then_fail)
+    state = {f"t{i}": torch.randn(300_000) for i in range(6)}  # six 1.2 MB objects
+    with pytest.raises(OSError, match="third object"):
+        stepvault.save(tmp_path, state, run="r", step=2, workers=1)
+    assert len(calls) >= 3
+    assert os.listdir(tmp_path / "tmp") == []  # the staged objects were removed
+    assert sorted(p.name for p in (tmp_path / "objects").glob("*/*")) == before
+    assert stepvault.open(tmp_path).steps("r") == [1]
+    monkeypatch.undo()
+    info = stepvault.save(tmp_path, state, run="r", step=2)  # and a retry just works
+    assert info.new_bytes > 0 and stepvault.verify(tmp_path, deep=True).ok
+
+
 @pytest.fixture
 def tiny_fs(make_tmpfs):
     """A 2 MiB tmpfs (needs root); skipped cleanly where it cannot be mounted."""
@@ -143,29 +170,44 @@ def test_cli_ls_show_du(tmp_path):
 
 
 def test_commit_protocol_order(tmp_path, monkeypatch):
-    """Objects and their directory entries are durable before the manifest appears."""
+    """Each object is fsynced before its name appears; names are durable before the manifest."""
     from stepvault.store import local
 
     log = []
-    real_fsync_dir = local._fsync_dir
-    real_put = local.LocalBackend.put_atomic
+    real_fsync_dir, real_fsync_path = local._fsync_dir, local._fsync_path
+    real_put, real_replace = local.LocalBackend.put_atomic, os.replace
 
     def fsync_dir(path):
         log.append(("fsync_dir", os.path.relpath(path, tmp_path)))
         real_fsync_dir(path)
+
+    def fsync_path(path):
+        log.append(("fsync_file", os.path.relpath(path, tmp_path)))
+        real_fsync_path(path)
+
+    def replace(src, dst):
+        log.append(("replace", os.path.relpath(src, tmp_path), os.path.relpath(dst, tmp_path)))
+        real_replace(src, dst)
 
     def put(self, key, parts, **kw):
         log.append(("put", key))
         return real_put(self, key, parts, **kw)
 
     monkeypatch.setattr(local, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(local, "_fsync_path", fsync_path)
+    monkeypatch.setattr(local.os, "replace", replace)
     monkeypatch.setattr(local.LocalBackend, "put_atomic", put)
     stepvault.save(tmp_path, {"a": torch.randn(300_000), "b": torch.ones(3)}, run="r", step=1)
     manifest_at = log.index(("put", "runs/r/checkpoints/1.json"))
-    object_puts = [i for i, e in enumerate(log) if e[0] == "put" and e[1].startswith("objects/")]
-    assert object_puts and max(object_puts) < manifest_at
-    synced_before = {p for kind, p in log[:manifest_at] if kind == "fsync_dir"}
-    for i in object_puts:
-        assert os.path.dirname(log[i][1]) in synced_before  # objects/xx
+    visible = [
+        (i, e[1]) for i, e in enumerate(log) if e[0] == "replace" and e[2].startswith("objects/")
+    ]
+    assert len(visible) == 2  # two new objects (a; the bundle holding b)
+    for i, tmp in visible:
+        assert tmp.startswith("tmp/") and ("fsync_file", tmp) in log[:i]  # durable, then named
+        assert i < manifest_at
+    synced_before = {p for kind, p, *_ in log[:manifest_at] if kind == "fsync_dir"}
+    for i, _ in visible:
+        assert os.path.dirname(log[i][2]) in synced_before  # objects/xx
     assert "objects" in synced_before  # the new objects/xx directories themselves
     assert ("fsync_dir", "runs/r/checkpoints") in log[manifest_at:]

@@ -54,15 +54,9 @@ def main() -> int:
 
     torch.set_num_threads(1)
     if args.slow_writes:
-        from stepvault.store import Store
+        from _slow_writes import slow_object_writes
 
-        original = Store.put_object
-
-        def slow_put(self, digest, parts):
-            time.sleep(args.slow_writes)
-            return original(self, digest, parts)
-
-        Store.put_object = slow_put
+        slow_object_writes(args.slow_writes)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -57,15 +56,9 @@ def main() -> int:
         with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
     if args.slow_writes:
-        from stepvault.store import Store
+        from _slow_writes import slow_object_writes
 
-        original = Store.put_object
-
-        def slow_put(self, digest, parts):
-            time.sleep(args.slow_writes)
-            return original(self, digest, parts)
-
-        Store.put_object = slow_put
+        slow_object_writes(args.slow_writes)
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)

@@ -63,15 +63,24 @@ class _ChunkResult:
     digest: str
     entry: ObjectEntry
     new: bool
+    dup: bool = False  # another chunk of this save holds the same bytes (and writes them)
 
 
 class _ChunkWriter:
+    """Hashes, deduplicates, encodes and stages the chunks of one save (thread-safe).
+
+    New objects are *staged* (written, not yet visible) and published together at the end:
+    one batch of fsyncs instead of one per object, and nothing is visible before it is
+    durable.
+    """
+
     def __init__(self, store: Store, arrays: dict[str, HostArray], codec: str) -> None:
         self.store = store
         self.arrays = arrays
         self.codec = codec
         self._lock = threading.Lock()
         self._claimed: set[str] = set()  # digests written by this save (dedup within it)
+        self._staged: list[object] = []
 
     def _raw(self, plan: ChunkPlan) -> memoryview:
         if not plan.is_bundle:
@@ -88,35 +97,48 @@ class _ChunkWriter:
         with self._lock:
             mine = digest not in self._claimed
             self._claimed.add(digest)
-        if not mine or self.store.has_object(digest):
-            # Already stored (earlier checkpoint, or another chunk of this save): free.
-            # Touching it tells a concurrent GC (grace period) that it is in use again.
-            if mine:
-                self.store.touch_object(digest)
-            size = self._wait_size(digest)
+        if not mine:
+            # Another chunk of this save has the same bytes: it stores them (its result
+            # carries the object's entry); this chunk only points at them.
+            return _ChunkResult(digest, ObjectEntry("?", 0, raw.nbytes), False, dup=True)
+        if self.store.has_object(digest):
+            # Already stored (earlier checkpoint): free. Touching it tells a concurrent GC
+            # (grace period) that it is in use again.
+            self.store.touch_object(digest)
+            size = self.store.object_size(digest)
             return _ChunkResult(digest, ObjectEntry("?", size, raw.nbytes), False)
-        return self.write(plan, raw, digest)
+        return self.write(plan, raw, digest, staged=True)
 
-    def write(self, plan: ChunkPlan, raw: memoryview, digest: str) -> _ChunkResult:
+    def write(
+        self, plan: ChunkPlan, raw: memoryview, digest: str, *, staged: bool = False
+    ) -> _ChunkResult:
         obj = encode_object(raw, choose_codec(self.codec, plan.dtype), plan.dtype, digest)
-        self.store.put_object(digest, obj.parts)
+        if staged:
+            token = self.store.stage_object(digest, obj.parts)
+            with self._lock:
+                self._staged.append(token)
+        else:
+            self.store.put_object(digest, obj.parts)
         return _ChunkResult(digest, ObjectEntry(obj.codec, obj.size, obj.raw_size), True)
+
+    def publish(self) -> None:
+        """Every staged object durable, then visible."""
+        with self._lock:
+            staged, self._staged = self._staged, []
+        self.store.publish_objects(staged)
+
+    def discard(self) -> None:
+        """Remove the staged objects of a save that failed."""
+        with self._lock:
+            staged, self._staged = self._staged, []
+        self.store.discard_objects(staged)
 
     def ensure_present(self, plans: list[ChunkPlan], results: list[_ChunkResult]) -> None:
         """Re-write any reused object that vanished meanwhile (a GC that raced this save)."""
         for plan, res in zip(plans, results):
-            if not res.new and not self.store.has_object(res.digest):
+            if not res.new and not res.dup and not self.store.has_object(res.digest):
                 fresh = self.write(plan, self._raw(plan), res.digest)
                 res.entry = fresh.entry
-
-    def _wait_size(self, digest: str) -> int:
-        # A duplicate chunk inside this save may still be in flight in another thread.
-        for _ in range(6000):
-            try:
-                return self.store.object_size(digest)
-            except FileNotFoundError:
-                time.sleep(0.005)
-        return self.store.object_size(digest)
 
 
 def write_objects(
@@ -143,19 +165,22 @@ def write_objects(
         bundle_size=int(settings.get("bundle_size", 8 << 20)),
     )
     writer = _ChunkWriter(store, arrays, codec)
-    if plans:
-        with ThreadPoolExecutor(max_workers=workers or default_write_workers()) as pool:
-            results = list(pool.map(writer, plans))
-    else:
-        results = []
+    results: list[_ChunkResult] = []
+    try:
+        if plans:
+            with ThreadPoolExecutor(max_workers=workers or default_write_workers()) as pool:
+                results = list(pool.map(writer, plans))
+        writer.publish()
+    except BaseException:
+        writer.discard()  # nothing of this save stays behind in tmp/
+        raise
 
     writer.ensure_present(plans, results)
     stats = WriteStats()
     tensors = {name: TensorEntry(a.dtype, list(a.shape), [], a.kind) for name, a in arrays.items()}
     objects: dict[str, ObjectEntry] = {}
     for plan, res in zip(plans, results):
-        prev = objects.get(res.digest)
-        if prev is None or prev.codec == "?":
+        if not res.dup:  # the owning chunk's result names the object (dups only point)
             objects[res.digest] = res.entry
         if res.new:
             stats.new_bytes += res.entry.size

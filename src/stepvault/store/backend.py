@@ -59,6 +59,23 @@ class Backend(abc.ABC):
         is flushed by :meth:`sync`).
         """
 
+    def put_staged(self, key: str, parts: Sequence[Buffer]) -> object:
+        """Write ``key`` durably-to-be but invisibly; :meth:`publish` makes a batch visible.
+
+        A batch pays the durability cost once instead of per key (local disks: writeback of
+        every file starts at once, and the fsyncs run together at publish). Backends without
+        such a cost (object stores: a PUT is durable and atomic) write the key at once here.
+        Returns a token for :meth:`publish` / :meth:`discard`.
+        """
+        self.put_atomic(key, parts, overwrite=True, durable=True)
+        return None
+
+    def publish(self, tokens: Sequence[object]) -> None:
+        """Make staged keys durable, then visible (replacing any key of the same name)."""
+
+    def discard(self, tokens: Sequence[object]) -> None:
+        """Drop staged keys that will not be published (a failed save)."""
+
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key``; missing keys are ignored."""

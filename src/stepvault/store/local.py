@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
+import sys
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutOfSpaceError
@@ -25,6 +28,41 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_fsync_path = _fsync_dir  # fsync works on any descriptor of the inode, read-only included
+
+
+def _load_sync_file_range() -> Callable[[int], None] | None:
+    """``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)``: start writeback, do not wait.
+
+    Not in the ``os`` module; glibc exports it on Linux. Elsewhere staged files are simply
+    written back at publish.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+
+    def start_writeback(fd: int) -> None:
+        fn(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; a failure here resurfaces at fsync
+
+    return start_writeback
+
+
+_start_writeback = _load_sync_file_range()
+
+
+@dataclass(frozen=True)
+class _Staged:
+    key: str
+    tmp: str
+    final: str
 
 
 class LocalBackend(Backend):
@@ -133,9 +171,8 @@ class LocalBackend(Backend):
             raise
 
     # -- writes ------------------------------------------------------------------------
-    def put_atomic(
-        self, key: str, parts: Sequence[Buffer], *, overwrite: bool = True, durable: bool = True
-    ) -> None:
+    def _write_tmp(self, key: str, parts: Sequence[Buffer], *, durable: bool) -> tuple[str, str]:
+        """Write ``parts`` into a new file under ``tmp/``; return (tmp, final) paths."""
         final = self._path(key)
         tmp_dir = os.path.join(self.root, "tmp")
         self._ensure_dir(tmp_dir)
@@ -151,8 +188,31 @@ class LocalBackend(Backend):
                         view = view[written:]
                 if durable:
                     os.fsync(fd)
+                elif _start_writeback is not None:
+                    _start_writeback(fd)
             finally:
                 os.close(fd)
+        except OSError as exc:
+            _silent_unlink(tmp)
+            self._raise_if_full(exc, key)
+            raise
+        return tmp, final
+
+    def _raise_if_full(self, exc: OSError, key: str) -> None:
+        """A full device becomes OutOfSpaceError (with the way out); the caller re-raises."""
+        if exc.errno in _NO_SPACE:
+            raise OutOfSpaceError(
+                exc.errno,
+                f"no space left on {self.url} while writing {key}; nothing new was "
+                "committed and earlier checkpoints are intact. Free space (e.g. "
+                "'stepvault gc') or save to another store.",
+            ) from exc
+
+    def put_atomic(
+        self, key: str, parts: Sequence[Buffer], *, overwrite: bool = True, durable: bool = True
+    ) -> None:
+        tmp, final = self._write_tmp(key, parts, durable=durable)
+        try:
             if overwrite:
                 os.replace(tmp, final)
             else:
@@ -161,17 +221,49 @@ class LocalBackend(Backend):
                 os.unlink(tmp)
         except OSError as exc:
             _silent_unlink(tmp)
-            if exc.errno in _NO_SPACE:
-                raise OutOfSpaceError(
-                    exc.errno,
-                    f"no space left on {self.url} while writing {key}; nothing new was "
-                    "committed and earlier checkpoints are intact. Free space (e.g. "
-                    "'stepvault gc') or save to another store.",
-                ) from exc
+            self._raise_if_full(exc, key)
             raise
         if durable:
             with self._lock:
                 self._dirty.add(os.path.dirname(final))
+
+    def put_staged(self, key: str, parts: Sequence[Buffer]) -> _Staged:
+        # Written without fsync, writeback started at once: the device works on this file
+        # while the next one is encoded; publish() then waits for all of them together.
+        # Per-file fsyncs cost a journal commit each (measured: 2 ranks, 235 objects,
+        # 64% of a sharded save's thread time in fsync).
+        tmp, final = self._write_tmp(key, parts, durable=False)
+        return _Staged(key, tmp, final)
+
+    def publish(self, tokens: Sequence[object]) -> None:
+        staged = [t for t in tokens if isinstance(t, _Staged)]
+        if not staged:
+            return
+        try:
+            if len(staged) == 1:
+                _fsync_path(staged[0].tmp)
+            else:
+                with ThreadPoolExecutor(max_workers=min(16, len(staged))) as pool:
+                    list(pool.map(_fsync_path, [t.tmp for t in staged]))
+        except OSError as exc:
+            self.discard(staged)
+            self._raise_if_full(exc, staged[0].key)
+            raise
+        # Durable now: make each visible (rename is atomic; identical content may already
+        # be there from another writer, which replace() keeps correct).
+        for i, t in enumerate(staged):
+            try:
+                os.replace(t.tmp, t.final)
+            except OSError:
+                self.discard(staged[i:])
+                raise
+        with self._lock:
+            self._dirty.update(os.path.dirname(t.final) for t in staged)
+
+    def discard(self, tokens: Sequence[object]) -> None:
+        for t in tokens:
+            if isinstance(t, _Staged):
+                _silent_unlink(t.tmp)
 
     def touch(self, key: str) -> None:
         try:

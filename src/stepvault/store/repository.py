@@ -130,6 +130,18 @@ class Store:
         """Write an object durably under its content hash (idempotent)."""
         self.backend.put_atomic(self.object_key(digest), parts, overwrite=True, durable=True)
 
+    def stage_object(self, digest: str, parts: Sequence[Buffer]) -> object:
+        """Write an object that becomes visible only at :meth:`publish_objects`."""
+        return self.backend.put_staged(self.object_key(digest), parts)
+
+    def publish_objects(self, tokens: Sequence[object]) -> None:
+        """Make staged objects durable, then visible; the names need :meth:`sync` after."""
+        self.backend.publish(tokens)
+
+    def discard_objects(self, tokens: Sequence[object]) -> None:
+        """Drop staged objects of a save that failed."""
+        self.backend.discard(tokens)
+
     def read_object(self, digest: str) -> bytes:
         return self.backend.read_bytes(self.object_key(digest))
 
