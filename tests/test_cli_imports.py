@@ -83,3 +83,27 @@ def test_public_api_names_all_resolve():
         assert "no_such_name" in str(exc)
     else:
         raise AssertionError("unknown attribute did not raise")
+
+
+def test_verify_and_du_run_without_torch(tmp_path):
+    stepvault.save(tmp_path, {"model": torch.nn.Linear(4, 3)}, run="r", step=1)
+    for args in (["verify"], ["verify", "--deep"], ["du"]):
+        out, mods = _cli("--root", str(tmp_path), *args)
+        assert out.strip(), args
+        assert not mods["torch"], args
+
+
+def test_ops_names_resolve_lazily():
+    import stepvault.ops as ops
+
+    for name in ops.__all__:
+        assert getattr(ops, name) is not None, name
+    from stepvault.ops.gc import collect_garbage
+
+    assert ops.collect_garbage is collect_garbage
+    try:
+        ops.no_such_op  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_op" in str(exc)
+    else:
+        raise AssertionError("unknown attribute did not raise")

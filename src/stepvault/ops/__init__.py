@@ -1,13 +1,49 @@
 """Operations on a whole store: verify, signatures, usage, gc, repair, export, import."""
 
-from .export import ExportReport, dequantize_int8, export_weights, quantize_int8
-from .gc import GCResult, collect_garbage
-from .importing import UntrustedInputError, import_dcp
-from .migrate import ImportReport, import_checkpoint, import_checkpoints
-from .repair import RepairReport, repair_store
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Read-only operations (no torch) are imported at once; the rest on first use (PEP 562), so
+# that ``stepvault du`` and ``stepvault verify`` start without importing torch. (verify and
+# usage stay eager: their names are also submodule names, which a lazy lookup could return.)
 from .signatures import SignatureReport, sign_existing, verify_signatures
 from .usage import RunUsage, StoreUsage, store_usage, usage
 from .verify import CheckpointReport, VerifyReport, verify, verify_store
+
+_LAZY = {
+    "ExportReport": ".export",
+    "dequantize_int8": ".export",
+    "export_weights": ".export",
+    "quantize_int8": ".export",
+    "GCResult": ".gc",
+    "collect_garbage": ".gc",
+    "UntrustedInputError": ".importing",
+    "import_dcp": ".importing",
+    "ImportReport": ".migrate",
+    "import_checkpoint": ".migrate",
+    "import_checkpoints": ".migrate",
+    "RepairReport": ".repair",
+    "repair_store": ".repair",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .export import ExportReport, dequantize_int8, export_weights, quantize_int8
+    from .gc import GCResult, collect_garbage
+    from .importing import UntrustedInputError, import_dcp
+    from .migrate import ImportReport, import_checkpoint, import_checkpoints
+    from .repair import RepairReport, repair_store
 
 __all__ = [
     "CheckpointReport",
