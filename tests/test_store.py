@@ -211,3 +211,35 @@ def test_commit_protocol_order(tmp_path, monkeypatch):
         assert os.path.dirname(log[i][2]) in synced_before  # objects/xx
     assert "objects" in synced_before  # the new objects/xx directories themselves
     assert ("fsync_dir", "runs/r/checkpoints") in log[manifest_at:]
+
+
+def test_read_many_reads_in_order_and_refuses_symlinks(tmp_path):
+    """The listing's batch read: one result per name, in order; symlinks never followed."""
+    import errno
+
+    from stepvault.store.local import LocalBackend
+
+    root = tmp_path / "store"
+    backend = LocalBackend(root)
+    backend.put_atomic("a/1", [b"one"])
+    backend.put_atomic("a/2", [b"two"])
+    (tmp_path / "secret").write_bytes(b"outside the store")
+    os.symlink(tmp_path / "secret", root / "a" / "3")
+    os.symlink(root / "a", root / "b")  # a symlinked directory
+    got = list(backend.read_many("a", ["1", "missing", "3", "2"]))
+    assert got[0] == b"one" and got[3] == b"two"
+    assert isinstance(got[1], FileNotFoundError)
+    assert isinstance(got[2], OSError) and got[2].errno == errno.ELOOP
+    assert all(isinstance(r, OSError) for r in backend.read_many("b", ["1", "2"]))
+    with pytest.raises(ValueError):
+        list(backend.read_many("a", ["../escape"]))
+
+
+def test_a_symlinked_manifest_is_listed_as_damaged_not_followed(tmp_path):
+    stepvault.save(tmp_path, {"t": torch.ones(3)}, run="r", step=1)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.json"
+    outside.write_bytes((tmp_path / "runs/r/checkpoints/1.json").read_bytes())
+    os.symlink(outside, tmp_path / "runs/r/checkpoints/2.json")
+    listed = stepvault.open(tmp_path).checkpoints("r")
+    assert [s.step for s in listed] == [1, 2]
+    assert listed[0].error is None and "cannot be read safely" in listed[1].error

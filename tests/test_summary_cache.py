@@ -118,11 +118,16 @@ def test_the_writer_logs_summaries_so_the_first_listing_parses_nothing(tmp_path)
     assert len(lines) == 4
     # Rewrite one record (with a valid record checksum): the first listing shows it, so it
     # came from the log, not from parsing the (intact, verified) manifest.
-    rec = json.loads(lines[2])
-    rec["s"][4] = {"loss": -2.0}
-    rec["h"] = content_hash(json.dumps([rec["d"], rec["s"]], separators=(",", ":")).encode())
-    lines[2] = json.dumps(rec).encode()
+    checksum, payload = lines[2].split(b" ", 1)  # "<blake3 of payload> <payload>"
+    assert content_hash(payload).encode() == checksum
+    digest, entry = json.loads(payload)
+    entry[4] = {"loss": -2.0}
+    payload = json.dumps([digest, entry]).encode()
+    lines[2] = content_hash(payload).encode() + b" " + payload
     lines[3] = lines[3][:-7] + b"garbage"  # a torn line is ignored (that step is parsed)
+    changed = lines[1].replace(b"0.5", b"9.5")  # a changed line fails its checksum: parsed
+    assert changed != lines[1]
+    lines[1] = changed
     log.write_bytes(b"\n".join(lines) + b"\n")
     listed = stepvault.open(tmp_path).checkpoints("r")
     assert [s.metrics["loss"] for s in listed] == [1.0, 0.5, -2.0, 0.25]

@@ -154,9 +154,10 @@ class Vault:
         cache = SummaryCache(self.store, run)
         annotations = read_annotations(self.store, run)
         out = []
-        for step in self.steps(run):
+        for step, data in self.store.read_manifests(run, self.steps(run)):
             try:
-                data = self.store.read_manifest(run, step)
+                if isinstance(data, Exception):
+                    raise data
                 digest = verified_body_digest(data)
                 summary = cache.get(digest, step) if digest else None
                 if summary is None:

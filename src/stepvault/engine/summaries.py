@@ -110,13 +110,11 @@ def record_commit(store: Store, manifest: Manifest, data: bytes) -> None:
         if digest is None:
             return
         summary = summary_of(manifest)
-        entry = [summary[f] for f in FIELDS]
-        line = json.dumps(
-            {"d": digest, "s": entry, "h": content_hash(_entry_json(digest, entry))},
-            separators=(",", ":"),
-            allow_nan=False,
-        )
-        store.backend.append(log_key(manifest.run), line.encode() + b"\n")
+        payload = _entry_json(digest, [summary[f] for f in FIELDS])
+        # "<blake3 of payload> <payload>": a reader checks the bytes as they are, without
+        # re-encoding the entry (that re-encoding was half of absorbing a 10k-line log).
+        line = content_hash(payload).encode() + b" " + payload + b"\n"
+        store.backend.append(log_key(manifest.run), line)
 
 
 class SummaryCache:
@@ -160,13 +158,15 @@ class SummaryCache:
         self._had_log = True
         for line in data.splitlines():
             try:
-                rec = json.loads(line)
-                digest, entry = rec["d"], rec["s"]
-                if type(digest) is str and rec["h"] == content_hash(_entry_json(digest, entry)):
+                checksum, _, payload = line.partition(b" ")
+                if content_hash(payload).encode() != checksum:
+                    continue  # a torn or damaged line (or an older line format): ignored
+                digest, entry = json.loads(payload)
+                if type(digest) is str:
                     self._entries[digest] = entry
                     self._dirty = True  # compacted into summaries.json by save()
-            except (ValueError, KeyError, TypeError, RecursionError):
-                continue  # a torn or damaged line: ignored
+            except (ValueError, TypeError, RecursionError):
+                continue
 
     def get(self, digest: str, step: int) -> dict[str, Any] | None:
         """The cached summary of the manifest with this body checksum (for ``step``)."""

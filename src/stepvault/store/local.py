@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +119,35 @@ class LocalBackend(Backend):
         fd = os.open(self._path(key), os.O_RDONLY | _NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
             return f.read()
+
+    def read_many(self, folder: str, names: Sequence[str]) -> Iterator[bytes | OSError]:
+        # The folder is checked once (no symlinked directory on the way, the folder itself
+        # opened with O_NOFOLLOW) and every file opened relative to it, also O_NOFOLLOW:
+        # a 10k-checkpoint listing spent 0.3 s re-checking the same directories per file.
+        try:
+            path = self._path(f"{folder}/_")  # refuses a symlinked directory on the way
+            dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+        except OSError:
+            yield from super().read_many(folder, names)  # each read reports its own error
+            return
+        try:
+            for name in names:
+                check_key(f"{folder}/{name}")
+                try:
+                    fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+                except OSError as exc:
+                    yield exc
+                    continue
+                try:
+                    data = _read_fd(fd)
+                except OSError as exc:
+                    yield exc
+                    continue
+                finally:
+                    os.close(fd)
+                yield data
+        finally:
+            os.close(dir_fd)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         fd = os.open(self._path(key), os.O_RDONLY | _NOFOLLOW)
@@ -300,6 +329,14 @@ class LocalBackend(Backend):
         # Independent directories: flush them concurrently (fsync releases the GIL).
         with ThreadPoolExecutor(max_workers=min(8, len(dirty))) as pool:
             list(pool.map(_fsync_dir, sorted(dirty)))
+
+
+def _read_fd(fd: int) -> bytes:
+    """The rest of an open file (plain ``os.read``: no buffered file object per file)."""
+    parts = []
+    while chunk := os.read(fd, 1 << 20):
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _silent_unlink(path: str) -> None:

@@ -209,6 +209,23 @@ class Store:
         names = self.backend.list(f"runs/{validate_run_name(run)}/checkpoints")
         return sorted(int(m.group(1)) for n in names if (m := _STEP_FILE.match(n)))
 
+    def read_manifests(
+        self, run: str, steps: Sequence[int]
+    ) -> Iterator[tuple[int, bytes | CheckpointNotFoundError | ManifestError]]:
+        """``(step, manifest bytes)`` for each step, in order; the error instead where a
+        manifest cannot be read (as :meth:`read_manifest` would raise it)."""
+        folder = f"runs/{validate_run_name(run)}/checkpoints"
+        names = [f"{validate_step(s)}.json" for s in steps]
+        for step, data in zip(steps, self.backend.read_many(folder, names)):
+            if isinstance(data, FileNotFoundError):
+                yield step, CheckpointNotFoundError(
+                    f"no committed checkpoint {run}@{step} in {self.backend.url}"
+                )
+            elif isinstance(data, OSError):
+                yield step, ManifestError(f"{run}@{step}: manifest cannot be read safely: {data}")
+            else:
+                yield step, data
+
     def read_manifest(self, run: str, step: int) -> bytes:
         try:
             return self.backend.read_bytes(self.manifest_key(run, step))
