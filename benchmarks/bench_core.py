@@ -177,7 +177,7 @@ class SaveResults:
 
 
 SAVE_LABELS = {
-    "disk": "sequential write + fsync (disk limit)",
+    "disk": "sequential write, streamed writeback + fsync (disk limit)",
     "safetensors": "safetensors.save_file + fsync",
     "torch.save": "torch.save + fsync",
     "stepvault-raw": "stepvault.save codec=raw (default)",

@@ -74,7 +74,7 @@ RESTORE_TARGET = 1.0  # stepvault restore time / safetensors load time
 LAZY_NAME = "model.h.0.mlp.c_fc.weight"
 
 SAVE_LABELS = {
-    "disk": "sequential write + fsync (disk limit)",
+    "disk": "sequential write, streamed writeback + fsync (disk limit)",
     "torch.save": "torch.save + fsync",
     "safetensors": "safetensors.save_file + fsync",
     "dcp": "DCP save, FileSystemWriter",
