@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import stepvault
@@ -101,9 +102,5 @@ def test_ops_names_resolve_lazily():
     from stepvault.ops.gc import collect_garbage
 
     assert ops.collect_garbage is collect_garbage
-    try:
+    with pytest.raises(AttributeError, match="no_such_op"):
         ops.no_such_op  # noqa: B018
-    except AttributeError as exc:
-        assert "no_such_op" in str(exc)
-    else:
-        raise AssertionError("unknown attribute did not raise")

@@ -276,7 +276,7 @@ class LocalBackend(Backend):
                     list(pool.map(_fsync_path, [t.tmp for t in staged]))
         except OSError as exc:
             self.discard(staged)
-            self._raise_if_full(exc, staged[0].key)
+            self._raise_if_full(exc, f"{len(staged)} staged objects")
             raise
         # Durable now: make each visible (rename is atomic; identical content may already
         # be there from another writer, which replace() keeps correct).

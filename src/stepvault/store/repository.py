@@ -217,24 +217,24 @@ class Store:
         folder = f"runs/{validate_run_name(run)}/checkpoints"
         names = [f"{validate_step(s)}.json" for s in steps]
         for step, data in zip(steps, self.backend.read_many(folder, names)):
-            if isinstance(data, FileNotFoundError):
-                yield step, CheckpointNotFoundError(
-                    f"no committed checkpoint {run}@{step} in {self.backend.url}"
-                )
-            elif isinstance(data, OSError):
-                yield step, ManifestError(f"{run}@{step}: manifest cannot be read safely: {data}")
-            else:
-                yield step, data
+            yield step, self._manifest_error(run, step, data) if isinstance(data, OSError) else data
 
     def read_manifest(self, run: str, step: int) -> bytes:
         try:
             return self.backend.read_bytes(self.manifest_key(run, step))
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
+        except OSError as exc:
+            raise self._manifest_error(run, step, exc) from None
+
+    def _manifest_error(
+        self, run: str, step: int, exc: OSError
+    ) -> CheckpointNotFoundError | ManifestError:
+        """What a failed manifest read means: absent, or unsafe to read."""
+        if isinstance(exc, FileNotFoundError):
+            return CheckpointNotFoundError(
                 f"no committed checkpoint {run}@{step} in {self.backend.url}"
-            ) from None
-        except OSError as exc:  # e.g. ELOOP: a symlink planted where a manifest belongs
-            raise ManifestError(f"{run}@{step}: manifest cannot be read safely: {exc}") from None
+            )
+        # e.g. ELOOP: a symlink planted where a manifest belongs
+        return ManifestError(f"{run}@{step}: manifest cannot be read safely: {exc}")
 
     def commit_manifest(self, run: str, step: int, data: bytes, *, overwrite: bool) -> None:
         """Make a checkpoint visible: every object must already be durable (call sync()).
