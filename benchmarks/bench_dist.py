@@ -983,9 +983,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
     facts["load average at end"] = load_average()
     runtime = time.perf_counter() - t_start
-    section, rows = render(
-        command, facts, shape, results, args.repeats, runtime, args.load_repeats
-    )
+    section, rows = render(command, facts, shape, results, args.repeats, runtime, args.load_repeats)
     write_section(args.out, section)
     print()
     print(

@@ -82,7 +82,14 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "dist": (
         [],
         [
-            "--size-mb", "4", "--repeats", "1", "--load-repeats", "1", "--worlds", "1",
+            "--size-mb",
+            "4",
+            "--repeats",
+            "1",
+            "--load-repeats",
+            "1",
+            "--worlds",
+            "1",
             "--no-profile",
         ],
     ),

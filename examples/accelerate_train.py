@@ -78,8 +78,12 @@ def main() -> None:
 
     progress = {"epoch": 0, "step": 0}  # plain values, saved and restored with the rest
     ckpt = AcceleratorCheckpointer(
-        accelerator, args.root, run=args.run, extra=progress,
-        save=Every(steps=args.save_every) | OnSignal(), keep=KeepLast(args.keep),
+        accelerator,
+        args.root,
+        run=args.run,
+        extra=progress,
+        save=Every(steps=args.save_every) | OnSignal(),
+        keep=KeepLast(args.keep),
     )
     info = ckpt.restore()
     if accelerator.is_main_process:

@@ -79,14 +79,21 @@ def main() -> None:
     args = p.parse_args()
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=128,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)
     ckpt = StepvaultCallback(
         args.root,
         run=args.run,
-        save=Every(steps=args.save_every) | OnSignal(),   # replaces save_strategy/save_steps
-        keep=KeepLast(args.keep),                          # replaces save_total_limit
+        save=Every(steps=args.save_every) | OnSignal(),  # replaces save_strategy/save_steps
+        keep=KeepLast(args.keep),  # replaces save_total_limit
     )
     training_args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-trainer-"),  # logs only: no checkpoint-N folders

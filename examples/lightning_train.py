@@ -31,7 +31,9 @@ class Regressor(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+            torch.nn.Linear(8, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.1),
             torch.nn.Linear(hidden, 1),
         )
 
@@ -75,8 +77,11 @@ class Data(pl.LightningDataModule):
         y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(256, 1, generator=g)
         ds = TensorDataset(x, y)
         sampler = DistributedSampler(
-            ds, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-            shuffle=True, seed=0,
+            ds,
+            num_replicas=self.trainer.world_size,
+            rank=self.trainer.global_rank,
+            shuffle=True,
+            seed=0,
         )
         sampler.set_epoch(self.trainer.current_epoch)
         return StatefulDataLoader(ds, batch_size=16, sampler=sampler)
@@ -106,7 +111,7 @@ def main() -> None:
     ckpt = StepvaultCheckpoint(
         args.root,
         run=args.run,
-        save=Every(steps=args.save_every) | OnSignal(),   # SIGTERM: save, then exit 143
+        save=Every(steps=args.save_every) | OnSignal(),  # SIGTERM: save, then exit 143
         keep=KeepLast(args.keep),
     )
     trainer = pl.Trainer(

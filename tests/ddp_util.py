@@ -21,8 +21,13 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2) -> list[str]:
     """The command line of ``script`` (a path, or a name in ``examples/``) under
     ``torch.distributed.run``."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(EXAMPLES / script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(EXAMPLES / script),
+        *args,
     ]
 
 
@@ -34,7 +39,11 @@ def example(script: str, *args: str) -> list[str]:
 def run_job(cmd: list[str], timeout: float = 240) -> str:
     """Run a multi-process job to completion; its stdout (fails on a non-zero exit)."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
         start_new_session=True,
     )
     try:
@@ -93,7 +102,11 @@ def kill_job_when_saved(
     preemption notice, as schedulers send it to every process); ``main_only``: to the
     process started only. Returns the committed steps after it ended and its exit status."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
         start_new_session=True,
     )
     deadline = time.time() + timeout

@@ -52,8 +52,13 @@ def test_importing_the_cli_does_not_import_torch():
 def test_ls_and_show_run_without_torch(tmp_path):
     model = torch.nn.Linear(4, 3)
     for step in (1, 2):
-        stepvault.save(tmp_path, {"model": model, "epoch": step}, run="r", step=step,
-                       metrics={"loss": 1.0 / step})
+        stepvault.save(
+            tmp_path,
+            {"model": model, "epoch": step},
+            run="r",
+            step=step,
+            metrics={"loss": 1.0 / step},
+        )
     out, mods = _cli("--root", str(tmp_path), "ls", "r", "--json")
     rows = json.loads(out)
     assert [r["step"] for r in rows] == [1, 2]

@@ -318,8 +318,9 @@ def test_async_manager_saves_fsdp2_state_while_training_continues(tmp_path):
         at, restored = _pt(tmp_path / f"at{step}.pt"), _pt(tmp_path / f"restored{step}.pt")
         assert at.keys() == restored.keys()
         assert all(torch.equal(at[k], restored[k]) for k in at), step
-    assert not torch.equal(_pt(tmp_path / "at2.pt")["model.0.weight"],
-                           _pt(tmp_path / "at6.pt")["model.0.weight"])
+    assert not torch.equal(
+        _pt(tmp_path / "at2.pt")["model.0.weight"], _pt(tmp_path / "at6.pt")["model.0.weight"]
+    )
     assert stepvault.verify(tmp_path / "store", deep=True).ok
 
 

@@ -47,9 +47,7 @@ def _setup():
     ds = torch.utils.data.TensorDataset(
         torch.randn(48, 4, generator=g), torch.randn(48, 1, generator=g)
     )
-    model = torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3)
     loader = torch.utils.data.DataLoader(
@@ -87,7 +85,6 @@ def _train(root, *, stop=None, total=20):
     return model, info, progress
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models: one intra-op thread is faster, and steadier on a shared machine."""
@@ -95,6 +92,7 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
 
 def _same(a, b) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
@@ -158,7 +156,14 @@ def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
     reference = final_digest(here)
     root = tmp_path / "b"
     steps = kill_when_saved(
-        "accelerate_train.py", root, "acc", "--root", str(root), *args, "--step-sleep", "0.05",
+        "accelerate_train.py",
+        root,
+        "acc",
+        "--root",
+        str(root),
+        *args,
+        "--step-sleep",
+        "0.05",
         min_step=30,
     )
     assert steps and steps[-1] < 60

@@ -113,8 +113,17 @@ def test_hf_trainer_ddp_preempted_killed_and_resumed_is_bitwise(tmp_path):
     hf = _load_example("hf_trainer")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2,
-                                       n_head=2, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=128,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     stepvault.restore(root, {"model": model}, run="hf", strict=False)
     assert hf.digest(model) == reference
     out = run_job(example("hf_trainer.py", "--root", str(root), *args))
@@ -166,8 +175,10 @@ def test_lightning_ddp_save_error_on_rank0_stops_every_rank(tmp_path):
     err = _fails([sys.executable, str(script), str(tmp_path)])
     key = "hyper_parameters']['data_dir']: cannot store a value of type pathlib.PosixPath"
     assert f"[rank0]: stepvault.errors.UnsupportedTypeError: state['lightning']['{key}" in err
-    assert "[rank1]: stepvault.errors.StepvaultError: the stepvault save of step 2 failed " \
+    assert (
+        "[rank1]: stepvault.errors.StepvaultError: the stepvault save of step 2 failed "
         "on rank 0: UnsupportedTypeError" in err
+    )
     assert stepvault.open(tmp_path).steps("bad") == []
     stepvault.CheckpointManager(tmp_path, "bad").close()  # rank 0 released the lease
 
@@ -178,8 +189,10 @@ def test_hf_trainer_ddp_lease_held_elsewhere_stops_every_rank(tmp_path):
     with stepvault.CheckpointManager(tmp_path, "hf"):  # another job writes this run
         err = _fails(torchrun("hf_trainer.py", *args))
     assert "[rank0]: stepvault.store.lease.LeaseHeldError" in err
-    assert "[rank1]: stepvault.errors.StepvaultError: opening the stepvault run failed on " \
+    assert (
+        "[rank1]: stepvault.errors.StepvaultError: opening the stepvault run failed on "
         "rank 0: LeaseHeldError" in err
+    )
     assert stepvault.open(tmp_path).steps("hf") == []
 
 
@@ -194,9 +207,7 @@ def test_accelerate_save_state_load_state_on_2_ranks(tmp_path):
     from stepvault.integrations.accelerate import load_state
 
     acc = Accelerator(cpu=True)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = acc.prepare(model, opt)
     progress = {"epoch": 0}

@@ -70,8 +70,16 @@ def _loader():
 
 
 def _fit(
-    root, *, stop=None, resume=False, save=None, keep=None, model=None, max_steps=25,
-    accumulate_grad_batches=1, **kw,
+    root,
+    *,
+    stop=None,
+    resume=False,
+    save=None,
+    keep=None,
+    model=None,
+    max_steps=25,
+    accumulate_grad_batches=1,
+    **kw,
 ):
     pl.seed_everything(1, verbose=False)
     ckpt = StepvaultCheckpoint(
@@ -91,7 +99,6 @@ def _fit(
     return model, ckpt
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models: one intra-op thread is faster, and steadier on a shared machine."""
@@ -99,6 +106,7 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
 
 def _same(a, b) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
@@ -174,15 +182,20 @@ def test_weights_only_policy_and_ckpt_path_best(tmp_path):
     _fit(tmp_path, save=save, keep=keep)
     summaries = stepvault.open(tmp_path).checkpoints("r")
     assert {c.step: c.kind for c in summaries} == {
-        5: "weights", 10: "full", 15: "weights", 20: "full", 25: "weights"
+        5: "weights",
+        10: "full",
+        15: "weights",
+        20: "full",
+        25: "weights",
     }
     best = min(summaries, key=lambda c: (c.metrics["train_loss"], -c.step)).step
     # ckpt_path="best" is Lightning's own special value; it resolves through the callback
     # (read-only: validate takes no lease and writes nothing).
     ckpt = StepvaultCheckpoint(tmp_path, run="r", keep=KeepBest(1, metric="train_loss"))
     assert ckpt.best_model_path == "stepvault:best"
-    trainer = pl.Trainer(callbacks=[ckpt], logger=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     model = Tiny()
     trainer.validate(model, _loader(), ckpt_path="best", verbose=False)
     assert ckpt.last_restore.step == best
@@ -239,8 +252,13 @@ def test_standalone_pytorch_lightning_package(tmp_path):
 
     def fit(resume: bool):
         ckpt = PTLCheckpoint(tmp_path, run="ptl", save=Every(steps=5))
-        trainer = ptl.Trainer(max_steps=10, callbacks=[ckpt], logger=False,
-                              enable_progress_bar=False, enable_model_summary=False)
+        trainer = ptl.Trainer(
+            max_steps=10,
+            callbacks=[ckpt],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(TinyPTL(), _loader(), ckpt_path=ckpt.resume_path if resume else None)
         return ckpt, trainer
 

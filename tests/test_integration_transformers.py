@@ -52,13 +52,28 @@ class StopAt(TrainerCallback):
 
 def _train(tmp_path, root, *, stop=None, resume=None, save="policy", **args):
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)
     options = dict(
-        output_dir=str(tmp_path / "out"), max_steps=15, per_device_train_batch_size=4,
-        learning_rate=1e-3, warmup_steps=2, save_strategy="no", report_to=[], use_cpu=True,
-        logging_steps=1, disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path / "out"),
+        max_steps=15,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
     )
     options.update(args)
     policy = Every(steps=4) if save == "policy" else None
@@ -73,7 +88,6 @@ def _train(tmp_path, root, *, stop=None, resume=None, save="policy", **args):
     return model, ckpt, trainer
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models: one intra-op thread is faster, and steadier on a shared machine."""
@@ -81,6 +95,7 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
 
 def _same(a, b) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
@@ -133,18 +148,41 @@ def test_eval_metrics_are_checkpoint_metrics_for_keep_best(tmp_path):
 
     record = Record()
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0)
-    ckpt = StepvaultCallback(tmp_path / "s", run="gpt", save=Every(steps=3),
-                             keep=KeepBest(1, metric="eval_loss", mode="max") | KeepLast(1))
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=4,
-        learning_rate=5e-3, report_to=[], use_cpu=True, eval_strategy="steps", eval_steps=3,
-        logging_steps=3, disable_tqdm=True, seed=0,
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
     )
-    trainer = StepvaultTrainer(model=GPT2LMHeadModel(config), args=args,
-                               train_dataset=Tokens(), eval_dataset=Tokens(),
-                               callbacks=[ckpt, record])
+    ckpt = StepvaultCallback(
+        tmp_path / "s",
+        run="gpt",
+        save=Every(steps=3),
+        keep=KeepBest(1, metric="eval_loss", mode="max") | KeepLast(1),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=12,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        report_to=[],
+        use_cpu=True,
+        eval_strategy="steps",
+        eval_steps=3,
+        logging_steps=3,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = StepvaultTrainer(
+        model=GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(),
+        callbacks=[ckpt, record],
+    )
     trainer.train()
     assert sorted(record.seen) == [3, 6, 9, 12]
     # mode="max" (the *worst* loss) so that the kept step is not simply the last one, which
@@ -168,7 +206,14 @@ def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
     reference = final_digest(here)
     root = tmp_path / "b"
     steps = kill_when_saved(
-        "hf_trainer.py", root, "hf", "--root", str(root), *args, "--step-sleep", "0.05",
+        "hf_trainer.py",
+        root,
+        "hf",
+        "--root",
+        str(root),
+        *args,
+        "--step-sleep",
+        "0.05",
         min_step=12,
     )
     assert steps and steps[-1] < 24

@@ -302,8 +302,11 @@ def test_latest_of_a_training_state_passes_over_weights_only_checkpoints(tmp_pat
     state["step"] = 2
     stepvault.save(tmp_path, state, run="r", step=2, kind="weights")
     fresh_model = torch.nn.Linear(4, 4)
-    fresh = {"model": fresh_model, "optimizer": torch.optim.SGD(fresh_model.parameters(), lr=0.1,
-             momentum=0.9), "step": None}
+    fresh = {
+        "model": fresh_model,
+        "optimizer": torch.optim.SGD(fresh_model.parameters(), lr=0.1, momentum=0.9),
+        "step": None,
+    }
     info = stepvault.restore(tmp_path, fresh, run="r")
     assert info.step == 1 and fresh["step"] == 1 and info.skipped == []
     weights = {"model": torch.nn.Linear(4, 4)}  # modules alone: the weights checkpoint is fine

@@ -21,9 +21,7 @@ from stepvault.integrations.accelerate import load_state, save_state
 def main(root: str) -> None:
     torch.manual_seed(0)
     acc = Accelerator(cpu=True)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = acc.prepare(model, opt)
     torch.manual_seed(100 + acc.process_index)  # the ranks' RNGs differ

@@ -35,8 +35,13 @@ if __name__ == "__main__":
     pl.seed_everything(0, verbose=False)
     ds = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=6, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[StepvaultCheckpoint(sys.argv[1], run="bad", save=Every(steps=2))],
     )
     trainer.fit(Model(pathlib.Path("/data")), DataLoader(ds, batch_size=4))

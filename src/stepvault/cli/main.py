@@ -177,9 +177,7 @@ def verify_cmd(
     except StepvaultError as exc:
         return _fail(exc)
     if sig_report is not None and as_json:
-        _emit_json(
-            {**report.to_json(), "registry": registry, "signatures": sig_report.to_json()}
-        )
+        _emit_json({**report.to_json(), "registry": registry, "signatures": sig_report.to_json()})
         if not report.ok or not sig_report.ok or registry:
             raise typer.Exit(1)
         return None
@@ -533,4 +531,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

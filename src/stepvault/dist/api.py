@@ -123,8 +123,10 @@ def _is_damage(exc: BaseException) -> bool:
     failures = getattr(exc, "failures", None)  # CheckpointException: rank -> exception
     if isinstance(failures, dict):
         return any(
-            isinstance(f, IntegrityError) or "IntegrityError" in repr(f)
-            or "CorruptObjectError" in repr(f) or "MissingObjectError" in repr(f)
+            isinstance(f, IntegrityError)
+            or "IntegrityError" in repr(f)
+            or "CorruptObjectError" in repr(f)
+            or "MissingObjectError" in repr(f)
             for f in failures.values()
         )
     return False
@@ -182,8 +184,17 @@ def save_state(
     value is the one committed).
     """
     handshake(f"save {run}@{step}", timeout)
-    save_sharded(root, _with_kinds(state), run=run, step=step, epoch=epoch, metrics=metrics,
-                 codec=codec, workers=workers, lineage=lineage)
+    save_sharded(
+        root,
+        _with_kinds(state),
+        run=run,
+        step=step,
+        epoch=epoch,
+        metrics=metrics,
+        codec=codec,
+        workers=workers,
+        lineage=lineage,
+    )
 
 
 def _with_kinds(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -122,21 +122,25 @@ def apply_dcp(state: MutableMapping[str, Any], loaded: dict[str, Any], kinds: di
             opts = [k for k, m in pairs.items() if m == key]
             if len(opts) == 1:
                 set_state_dict(
-                    obj, state[opts[0]], model_state_dict=loaded[key],
+                    obj,
+                    state[opts[0]],
+                    model_state_dict=loaded[key],
                     optim_state_dict=loaded[opts[0]],
                 )
             else:
                 set_model_state_dict(obj, loaded[key])
                 for opt_key in opts:
-                    set_state_dict(obj, state[opt_key], model_state_dict={},
-                                   optim_state_dict=loaded[opt_key])
+                    set_state_dict(
+                        obj, state[opt_key], model_state_dict={}, optim_state_dict=loaded[opt_key]
+                    )
         elif kind == "rng":
             mine = loaded.get(key, {}).get(f"rank{_rank()}")
             if mine is None:
                 warnings.warn(
                     f"state[{key!r}]: no RNG state for rank {_rank()} in the checkpoint "
                     "(saved with another world size); RNGs keep their current state",
-                    RuntimeWarning, stacklevel=3,
+                    RuntimeWarning,
+                    stacklevel=3,
                 )
             else:
                 obj.load_state_dict(mine)
@@ -163,13 +167,16 @@ def _fqn_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, nat
         index_to_name.update(zip(saved_group["params"], fqns))
         group["params"] = fqns
         groups.append(group)
-    state = {index_to_name.get(k, order[k] if isinstance(k, int) and k < len(order) else k): v
-             for k, v in native["state"].items()}
+    state = {
+        index_to_name.get(k, order[k] if isinstance(k, int) and k < len(order) else k): v
+        for k, v in native["state"].items()
+    }
     return {"state": state, "param_groups": groups}
 
 
-def restore_full_checkpoint(store, state: MutableMapping[str, Any], run: str, step: int, *,
-                            workers: int | None = None) -> None:
+def restore_full_checkpoint(
+    store, state: MutableMapping[str, Any], run: str, step: int, *, workers: int | None = None
+) -> None:
     """Load a single-process checkpoint on every rank: read it whole (verified), then let
     ``set_state_dict(full_state_dict=True)`` keep each rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -189,8 +196,13 @@ def restore_full_checkpoint(store, state: MutableMapping[str, Any], run: str, st
             if opts:
                 for opt_key in opts:
                     osd = _fqn_optimizer_state(obj, state[opt_key], tree[opt_key])
-                    set_state_dict(obj, state[opt_key], model_state_dict=tree[key],
-                                   optim_state_dict=osd, options=full)
+                    set_state_dict(
+                        obj,
+                        state[opt_key],
+                        model_state_dict=tree[key],
+                        optim_state_dict=osd,
+                        options=full,
+                    )
             else:
                 set_model_state_dict(obj, tree[key], options=full)
             continue

@@ -159,8 +159,11 @@ class StepvaultWriter(StorageWriter):
                     objects[d] = ObjectEntry(o["codec"], o["size"], o["raw_size"])
                 new_bytes += info.get("new_bytes", 0)
                 shards.append(
-                    {"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
-                     "chunks": info["chunks"]}
+                    {
+                        "offsets": list(chunk.offsets),
+                        "sizes": list(chunk.sizes),
+                        "chunks": info["chunks"],
+                    }
                 )
             entries[fqn] = {
                 "type": "tensor",
@@ -182,8 +185,10 @@ class StepvaultWriter(StorageWriter):
             lineage=self.lineage,
             sharded={
                 "entries": entries,
-                "paths": {k: [p if isinstance(p, int | str) else str(p) for p in v]
-                          for k, v in paths.items()},
+                "paths": {
+                    k: [p if isinstance(p, int | str) else str(p) for p in v]
+                    for k, v in paths.items()
+                },
             },
         )
         earlier = [s for s in self.store.list_steps(self.run) if s < self.step]
@@ -195,8 +200,9 @@ class StepvaultWriter(StorageWriter):
             "objects": len(objects),
             "seconds": time.perf_counter() - self._t0,
         }
-        self.store.ensure_run(self.run, {"run": self.run, "created": manifest.created,
-                                         "environment": environment()})
+        self.store.ensure_run(
+            self.run, {"run": self.run, "created": manifest.created, "environment": environment()}
+        )
         self.store.commit_manifest(
             self.run, self.step, serialize_manifest(manifest), overwrite=self.overwrite
         )
@@ -296,8 +302,9 @@ class StepvaultReader(StorageReader):
             if whole and item.storage_index not in shards:
                 # The request is the whole stored shard: copy its chunks straight into the
                 # target instead of assembling the shard in a buffer first.
-                entry = TensorEntry(info["dtype"], list(info["sizes"]),
-                                    [tuple(c) for c in info["chunks"]])
+                entry = TensorEntry(
+                    info["dtype"], list(info["sizes"]), [tuple(c) for c in info["chunks"]]
+                )
                 if reader.read_into(entry, target):
                     planner.commit_tensor(item, target)
                     continue

@@ -261,4 +261,3 @@ class AcceleratorCheckpointer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.manager.__exit__(exc_type, exc, tb)
-

@@ -242,9 +242,7 @@ class CheckpointManager:
             self.store.signer = signer
         # Lineage (config, git commit, data, environment, parent) is captured once per
         # session and linked from every manifest it commits; lineage=False records none.
-        self.lineage: Lineage | None = (
-            Lineage.capture() if lineage is None else (lineage or None)
-        )
+        self.lineage: Lineage | None = Lineage.capture() if lineage is None else (lineage or None)
         self._lineage_digest: str | None = None
         self.save_policy: SavePolicy = save if save is not None else _SaveAlways()
         self.keep_policy = keep
