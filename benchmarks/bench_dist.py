@@ -15,7 +15,7 @@ size 1 is a 1-rank group, so every world size runs the same code path) it measur
    default 600) as DTensors sharded on dim 0 (``Shard(0)``), three ``Replicate()`` tensors and
    a few non-tensor values.
 2. Durable save throughput (global logical GB/s; wall time from a barrier before to a barrier
-   after, fsync included for both): ``stepvault.dist.save_sharded`` into a fresh store vs
+   after, fsync included for both): ``stepvault.distributed.save_sharded`` into a fresh store vs
    ``torch.distributed.checkpoint.save`` with ``FileSystemWriter`` (``sync_files=True``, its
    default). Order alternates every repeat; an untimed priming write on every rank and
    ``os.sync()`` on rank 0 before each timed save; median of R (loads: of ``--load-repeats``).
@@ -414,7 +414,7 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import stepvault
-    import stepvault.dist as sd
+    import stepvault.distributed as sd
 
     work = Path(cfg["work"])
     repeats = int(cfg["repeats"])
@@ -878,7 +878,7 @@ def render(
         f"{facts['cores']} cores and one disk.",
         "- Save: wall time on rank 0 from a barrier before to a barrier after the call, "
         f"median of {repeats}; GB/s = global logical bytes / time (1 GB = 1e9 B). stepvault: "
-        "`stepvault.dist.save_sharded(root, state, run=, step=1)` into a fresh store every "
+        "`stepvault.distributed.save_sharded(root, state, run=, step=1)` into a fresh store every "
         "repeat (default codec raw, BLAKE3 checksums always on, objects fsynced, their "
         "directories fsynced, manifest committed atomically). DCP: "
         "`dcp.save(state, storage_writer=FileSystemWriter(dir))` with its defaults "

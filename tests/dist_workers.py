@@ -58,14 +58,14 @@ def run(rank: int, world: int, port: int, task: str, root: str, out: str) -> Non
 
 
 def task_save(rank, world, root, out):
-    import stepvault.dist as sd
+    import stepvault.distributed as sd
 
     mesh = init_device_mesh("cpu", (world,))
     sd.save_sharded(root, make_state(mesh), run="r", step=1, metrics={"loss": 0.5})
 
 
 def task_load(rank, world, root, out):
-    import stepvault.dist as sd
+    import stepvault.distributed as sd
 
     mesh = init_device_mesh("cpu", (world,))
     state = make_state(mesh, zeros=True)
@@ -79,8 +79,8 @@ def task_load(rank, world, root, out):
 
 
 def task_save_fail_on_rank1(rank, world, root, out):
-    import stepvault.dist as sd
-    from stepvault.dist import storage
+    import stepvault.distributed as sd
+    from stepvault.distributed import storage
 
     mesh = init_device_mesh("cpu", (world,))
     sd.save_sharded(root, make_state(mesh), run="r", step=1)
@@ -104,7 +104,7 @@ def task_save_fail_on_rank1(rank, world, root, out):
 
 
 def task_load_fallback(rank, world, root, out):
-    import stepvault.dist as sd
+    import stepvault.distributed as sd
 
     mesh = init_device_mesh("cpu", (world,))
     state = make_state(mesh, zeros=True)
@@ -254,8 +254,8 @@ def task_manager_ddp(rank, world, root, out):
 def task_rank1_killed_mid_save(rank, world, root, out):
     import signal
 
-    import stepvault.dist as sd
-    from stepvault.dist import storage
+    import stepvault.distributed as sd
+    from stepvault.distributed import storage
 
     mesh = init_device_mesh("cpu", (world,))
     sd.save_sharded(root, make_state(mesh), run="r", step=1)
@@ -331,7 +331,7 @@ def task_manager_async_fails_on_rank1(rank, world, root, out):
     """A background write failing on one rank: every rank raises at the next call, and
     nothing of that step is committed."""
     import stepvault
-    from stepvault.dist import storage
+    from stepvault.distributed import storage
 
     mesh = init_device_mesh("cpu", (world,))
     state = _fsdp_state(mesh)

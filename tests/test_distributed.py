@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import stepvault
-import stepvault.dist as sd
+import stepvault.distributed as sd
 
 
 def _port() -> int:

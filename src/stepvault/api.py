@@ -124,7 +124,7 @@ def _encode_metadata(metadata: Any) -> Any:
 
 def _collective(state: Mapping[str, Any], collective: bool | None) -> bool:
     """Whether a save/restore must run on every rank through DCP."""
-    from .dist.state import distributed_active, has_dtensor
+    from .distributed.state import distributed_active, has_dtensor
 
     sharded = has_dtensor(state)
     if collective is False:
@@ -273,7 +273,7 @@ def save(
             lineage_digest = write_lineage(store, run, lineage)
         root = store
     if _collective(state, collective):
-        from .dist.api import save_state
+        from .distributed.api import save_state
 
         save_state(
             root,
@@ -506,7 +506,7 @@ def _is_sharded(store: Store, run: str, step: int) -> bool:
 
 
 def _restore_collective(root, state, run, step, missing_ok, workers) -> RestoreInfo | None:
-    from .dist.api import restore_state
+    from .distributed.api import restore_state
 
     t0 = time.perf_counter()
     try:

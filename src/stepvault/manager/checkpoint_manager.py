@@ -29,7 +29,7 @@ from ..api import (
     restore_candidates,
     write_manifest,
 )
-from ..dist.state import distributed_active
+from ..distributed.state import distributed_active
 from ..engine import to_host
 from ..engine.background import BackgroundWriter
 from ..engine.gc import DEFAULT_GRACE_SECONDS, sweep
@@ -279,7 +279,7 @@ class CheckpointManager:
         self._bg = BackgroundWriter() if async_save else None
         self._async_dist = None
         if async_save and self._dist:
-            from ..dist.api import AsyncSaver
+            from ..distributed.api import AsyncSaver
 
             self._async_dist = AsyncSaver()  # collective: every rank builds its manager
         self._staging = StagingArea()
@@ -557,7 +557,7 @@ class CheckpointManager:
             if background:
                 future = self._async_dist.save(self.store, part, **args)
             else:
-                from ..dist.api import save_state
+                from ..distributed.api import save_state
 
                 save_state(self.store, part, **args)
         except BaseException as exc:
@@ -866,7 +866,7 @@ class CheckpointManager:
     ) -> RestoreInfo:
         """Every rank loads its part (resharding as needed); all fall back together."""
         from ..api import RestoreInfo, SkippedCheckpoint
-        from ..dist.api import _is_damage, restore_state
+        from ..distributed.api import _is_damage, restore_state
 
         t0 = time.perf_counter()
         skipped: list[Any] = []
