@@ -93,6 +93,8 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+        #: every request as (method, path, is a server-side copy), for request-count tests
+        self.requests: list[tuple[str, str, bool]] = []
         self._next = 0
         proxy = self
 
@@ -137,6 +139,9 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                copy = "x-amz-copy-source" in {k.lower() for k in self.headers}
+                with proxy.lock:
+                    proxy.requests.append((self.command, self.path, copy))
                 fault = proxy._pick()
                 if fault == "503":
                     return self._error(503, _SLOW_DOWN)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stepvault.catalog.vault import parse_ref
 from stepvault.errors import InvalidNameError
 from stepvault.format.chunking import (
     BUNDLE_ALIGN,
@@ -19,7 +20,6 @@ from stepvault.format.chunking import (
 )
 from stepvault.format.dtypes import DTYPES
 from stepvault.store.names import check_key, validate_run_name, validate_step
-from stepvault.vault import parse_ref
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

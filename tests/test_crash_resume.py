@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import stepvault
-from stepvault.store.events import read_events
+from stepvault.catalog.events import read_events
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_loop.py"
 

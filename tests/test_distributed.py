@@ -176,7 +176,7 @@ def test_rank0_only_save_of_sharded_state_is_refused(tmp_path):
 
 def test_manager_with_ddp_on_every_rank(tmp_path):
     _spawn(2, "manager_ddp", tmp_path / "store", tmp_path)
-    from stepvault.store.events import read_events
+    from stepvault.catalog.events import read_events
 
     log = read_events(stepvault.open(tmp_path / "store").store, "ddp")
     events = [e["event"] for e in log]

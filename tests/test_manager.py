@@ -293,7 +293,7 @@ def test_events_and_stats(tmp_path):
     assert stats["restore_success_rate"] == 1.0 and stats["mean_stall_seconds"] >= 0
     assert stats["staging_bytes"] >= state["model"].weight.nbytes
     events = stepvault.open(tmp_path)
-    from stepvault.store.events import read_events
+    from stepvault.catalog.events import read_events
 
     evs = read_events(events.store, "r")
     kinds = [e["event"] for e in evs]

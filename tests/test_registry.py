@@ -125,7 +125,7 @@ def test_registry_events_and_cli(root, tmp_path):
 
 
 def _events(root):
-    from stepvault.store.events import read_events
+    from stepvault.catalog.events import read_events
 
     return read_events(Store.open(root), "r")
 

@@ -18,9 +18,9 @@ import zstandard
 from typer.testing import CliRunner
 
 import stepvault
+from stepvault.catalog.events import read_events
 from stepvault.cli.main import app
 from stepvault.format.objects import encode_object
-from stepvault.store.events import read_events
 
 # -- no pickle, proven -----------------------------------------------------------------
 

@@ -16,9 +16,9 @@ from s3_server import FaultProxy, MotoS3
 
 import stepvault
 from stepvault import CheckpointManager, ops
+from stepvault.catalog.events import log_event, read_events
 from stepvault.errors import CheckpointExistsError
 from stepvault.store import Store, backend_for
-from stepvault.store.events import log_event, read_events
 from stepvault.store.fsspec_backend import FsspecBackend, open_fsspec
 from stepvault.store.lease import LeaseHeldError, acquire_lease
 
@@ -243,3 +243,32 @@ def test_missing_credentials_are_a_clear_error(s3, bucket, monkeypatch):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with pytest.raises(OSError, match=r"NoCredentialsError.*AWS_ACCESS_KEY_ID"):
         stepvault.save(backend(s3, bucket), {"model": model(11)}, run="r", step=1)
+
+
+def test_second_save_reuses_the_parent_object_table_with_few_requests(s3, bucket):
+    """A reused chunk costs a touch (server-side copy) and one existence check: its size
+    and codec come from the parent manifest, not from HEAD and ranged GET requests."""
+    proxy = FaultProxy(s3.endpoint, rate=0.0).start()
+    try:
+        root = Store.open(
+            backend(s3, bucket, endpoint=proxy.endpoint),
+            create=True,
+            defaults={"chunk_size": 256 << 10, "small_tensor": 64 << 10, "codec": "raw"},
+        )
+        torch.manual_seed(0)
+        state = {f"w{i}": torch.randn(512, 512) for i in range(4)}  # 16 chunks of 256 KiB
+        stepvault.save(root, state, run="r", step=1)
+        first = len(proxy.requests)
+        info = stepvault.save(root, state, run="r", step=2)
+        second = proxy.requests[first:]
+    finally:
+        proxy.stop()
+    assert info.new_bytes == 0 and info.objects == 16
+    on_objects = [(m, c) for m, path, c in second if "/objects/" in path]
+    copies = sum(1 for m, c in on_objects if c)
+    heads = sum(1 for m, c in on_objects if m == "HEAD")
+    gets = sum(1 for m, c in on_objects if m == "GET")
+    assert copies == 16  # the touch that keeps GC's grace period honest
+    assert gets == 0  # no header reads: the parent manifest records each codec
+    assert heads <= 16  # one existence check after the writes (a GC may have raced)
+    assert len(on_objects) <= 2 * 16

@@ -7,7 +7,7 @@ import json
 import torch
 
 import stepvault
-from stepvault.engine.summaries import cache_key, log_key
+from stepvault.catalog.summaries import cache_key, log_key
 from stepvault.format.hashing import content_hash
 
 

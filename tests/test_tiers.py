@@ -18,12 +18,12 @@ from typer.testing import CliRunner
 
 import stepvault
 from stepvault import CheckpointManager, ops
+from stepvault.catalog.events import read_events
 from stepvault.cli.main import app
 from stepvault.errors import CheckpointNotFoundError
 from stepvault.ops.usage import usage_by_tier
 from stepvault.policy import CheckpointRecord, KeepLast
 from stepvault.store import Store
-from stepvault.store.events import read_events
 from stepvault.tiers import (
     ArchiveProtected,
     CopyEvery,

@@ -13,8 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 
@@ -32,8 +31,8 @@ _LAZY: dict[str, str] = {
     "save": ".api",
     "register_type": ".format.encoding",
     "unregister_type": ".format.encoding",
-    "Lineage": ".lineage",
-    "fingerprint_files": ".lineage",
+    "Lineage": ".catalog.lineage",
+    "fingerprint_files": ".catalog.lineage",
     "CheckpointManager": ".manager",
     "SaveHandle": ".manager",
     "usage": ".ops",
@@ -57,10 +56,10 @@ _LAZY: dict[str, str] = {
     "LeaseHeldError": ".store.lease",
     "Signer": ".store.signing",
     "Verifier": ".store.signing",
-    "Checkpoint": ".vault",
-    "CheckpointSummary": ".vault",
-    "Vault": ".vault",
-    "parse_ref": ".vault",
+    "Checkpoint": ".catalog.vault",
+    "CheckpointSummary": ".catalog.vault",
+    "Vault": ".catalog.vault",
+    "parse_ref": ".catalog.vault",
 }
 _SUBMODULES = {"ops"}
 
@@ -91,8 +90,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         restore,
         save,
     )
+    from .catalog.lineage import Lineage, fingerprint_files
+    from .catalog.vault import Checkpoint, CheckpointSummary, Vault, parse_ref
     from .format.encoding import register_type, unregister_type
-    from .lineage import Lineage, fingerprint_files
     from .manager import CheckpointManager, SaveHandle
     from .ops import usage, verify
     from .policy import (
@@ -113,7 +113,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .state import RNGState
     from .store.lease import LeaseHeldError
     from .store.signing import Signer, Verifier
-    from .vault import Checkpoint, CheckpointSummary, Vault, parse_ref
 
 __all__ = [
     "AtSteps",

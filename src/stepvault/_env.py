@@ -13,7 +13,7 @@ def environment() -> dict[str, Any]:
     import numpy
     import torch
 
-    from . import __version__
+    from ._version import __version__
 
     return {
         "stepvault": __version__,

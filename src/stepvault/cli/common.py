@@ -51,16 +51,6 @@ def _ops() -> Any:
     return ops
 
 
-def open_vault(root: str) -> Any:
-    """The store at ``root`` opened for reading, exactly as :func:`stepvault.open` opens
-    it, but without importing :mod:`stepvault.api` (and with it torch)."""
-    from ..store import Store
-    from ..tiers.view import read_view
-    from ..vault import Vault
-
-    return Vault(read_view(Store.open(root)))
-
-
 def _root(root: str | None) -> str:
     return root if root is not None else _GLOBAL["root"]
 

@@ -11,10 +11,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from ..catalog.events import log_event, read_events
+from ..catalog.vault import parse_ref
+from ..core.opened import open_vault
 from ..errors import StepvaultError
 from ..store import Store
-from ..store.events import log_event, read_events
-from ..vault import parse_ref
 from .common import (
     JsonOpt,
     RootOpt,
@@ -26,7 +27,6 @@ from .common import (
     app,
     console,
     human_bytes,
-    open_vault,
 )
 
 

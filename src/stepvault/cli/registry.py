@@ -10,13 +10,12 @@ import typer
 from rich.table import Table
 from rich.tree import Tree
 
+from ..catalog.annotations import annotate
+from ..catalog.vault import parse_ref
 from ..errors import StepvaultError
 from ..registry import Registry, lineage_report
 from ..store import Store
-from ..store.annotations import write_annotation
-from ..store.events import log_event
 from ..store.signing import Signer, signer_from_env
-from ..vault import parse_ref
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _ops, _root, _time, app, console
 
 KeyOpt = Annotated[
@@ -65,11 +64,9 @@ def annotate_cmd(
     """Attach evaluation metrics to a checkpoint after the fact (best-k and 'best' use them)."""
     try:
         run, step = _exact(ref)
-        store = Store.open(_root(root))
-        record = write_annotation(
-            store, run, step, _parse_metrics(metrics), note=note, signer=_signer(key)
+        record = annotate(
+            _root(root), run, step, _parse_metrics(metrics), note=note, signer=_signer(key)
         )
-        log_event(store, run, "annotate", step=step, metrics=record["metrics"], note=note)
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
     if as_json:

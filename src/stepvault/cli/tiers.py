@@ -40,13 +40,13 @@ def tier_cmd(
 ) -> None:
     """Copy checkpoints from the hot store to cold tier TO (objects it lacks, verified, then
     the manifest); with --evict, then delete the hot copy (GC reclaims its objects)."""
+    from ..catalog.events import log_event
+    from ..catalog.vault import parse_ref
     from ..store import Store
-    from ..store.events import log_event
     from ..store.lease import acquire_lease
     from ..tiers.config import Tiers
     from ..tiers.copy import copy_checkpoint, copy_pin
     from ..tiers.mover import protected_steps
-    from ..vault import parse_ref
 
     try:
         hot = Store.open(_root(root))

@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..api import DEFAULT_STORE_SETTINGS
 from ..errors import (
     CheckpointNotFoundError,
     IntegrityError,
     NoValidCheckpointError,
     StepvaultError,
 )
+from ..format.settings import DEFAULT_STORE_SETTINGS
 from ..store import Store
 from .planners import SafeLoadPlanner, SafeSavePlanner
 from .state import apply_dcp, to_dcp

@@ -181,7 +181,7 @@ def restore_full_checkpoint(
     ``set_state_dict(full_state_dict=True)`` keep each rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from ..api import load_verified
+    from ..engine.load import load_verified
     from ..state.apply import apply
 
     _manifest, tree, _ = load_verified(store, run, step, workers=workers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,6 @@ from ..format.hashing import content_hash
 from ..format.manifest import Manifest, ObjectEntry, TensorEntry, serialize_manifest
 from ..format.objects import encode_object
 from ..store import Store
-from .summaries import record_commit
 
 if TYPE_CHECKING:  # .staging imports torch; reading a store needs neither
     from .staging import HostArray
@@ -74,10 +73,17 @@ class _ChunkWriter:
     durable.
     """
 
-    def __init__(self, store: Store, arrays: dict[str, HostArray], codec: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        arrays: dict[str, HostArray],
+        codec: str,
+        known: Mapping[str, ObjectEntry] | None = None,
+    ) -> None:
         self.store = store
         self.arrays = arrays
         self.codec = codec
+        self.known = known or {}
         self._lock = threading.Lock()
         self._claimed: set[str] = set()  # digests written by this save (dedup within it)
         self._staged: list[object] = []
@@ -101,7 +107,17 @@ class _ChunkWriter:
             # Another chunk of this save has the same bytes: it stores them (its result
             # carries the object's entry); this chunk only points at them.
             return _ChunkResult(digest, ObjectEntry("?", 0, raw.nbytes), False, dup=True)
-        if self.store.has_object(digest):
+        known = self.known.get(digest)
+        if known is not None and known.codec != "?":
+            # Named by an earlier manifest of the run, which records its codec and size:
+            # one request (the touch, which also says whether it is still there) instead
+            # of exists + touch + size + a header read.
+            present = self.store.touch_object(digest)
+            if present is None:
+                present = self.store.has_object(digest)
+            if present:
+                return _ChunkResult(digest, ObjectEntry(known.codec, known.size, raw.nbytes), False)
+        elif self.store.has_object(digest):
             # Already stored (earlier checkpoint): free. Touching it tells a concurrent GC
             # (grace period) that it is in use again.
             self.store.touch_object(digest)
@@ -147,10 +163,12 @@ def write_objects(
     *,
     codec: str,
     workers: int | None = None,
+    known: Mapping[str, ObjectEntry] | None = None,
 ) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry], WriteStats]:
     """Store ``arrays`` as durable objects; return their tensor entries, objects and stats.
 
-    Nothing becomes visible: the caller commits a manifest naming these objects.
+    Nothing becomes visible: the caller commits a manifest naming these objects. ``known``
+    (an earlier manifest's object table) spares the lookups of chunks it already names.
     """
     t0 = time.perf_counter()
     settings = store.settings
@@ -164,7 +182,7 @@ def write_objects(
         small_tensor=int(settings.get("small_tensor", 1 << 20)),
         bundle_size=int(settings.get("bundle_size", 8 << 20)),
     )
-    writer = _ChunkWriter(store, arrays, codec)
+    writer = _ChunkWriter(store, arrays, codec, known)
     results: list[_ChunkResult] = []
     try:
         if plans:
@@ -207,14 +225,20 @@ def write_checkpoint(
     overwrite: bool = False,
     workers: int | None = None,
     before_commit: Callable[[], None] | None = None,
+    after_commit: Callable[[Manifest, bytes], None] | None = None,
+    known: Mapping[str, ObjectEntry] | None = None,
 ) -> WriteStats:
     """Store ``arrays`` as objects, fill ``manifest``'s tensor/object tables, and commit it.
 
     ``before_commit`` runs after every object is durable and right before the manifest is
-    made visible (used by tests to inject crashes).
+    made visible (used by tests to inject crashes); ``after_commit(manifest, data)`` right
+    after (the catalog records the new checkpoint's summary there). ``known`` is the object
+    table of an earlier manifest of the run (see :func:`write_objects`).
     """
     t0 = time.perf_counter()
-    tensors, objects, stats = write_objects(store, arrays, codec=codec, workers=workers)
+    tensors, objects, stats = write_objects(
+        store, arrays, codec=codec, workers=workers, known=known
+    )
     manifest.tensors = tensors
     manifest.objects = objects
     if before_commit is not None:
@@ -224,7 +248,8 @@ def write_checkpoint(
     data = serialize_manifest(manifest)
     store.commit_manifest(manifest.run, manifest.step, data, overwrite=overwrite)
     stats.seconds = time.perf_counter() - t0
-    record_commit(store, manifest, data)  # after the commit: listings find it summarised
+    if after_commit is not None:
+        after_commit(manifest, data)
     return stats
 
 

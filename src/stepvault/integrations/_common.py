@@ -10,9 +10,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..api import RestoreInfo, restore_candidates
+from ..catalog import checkpoint_records, choose_candidates
+from ..core.info import RestoreInfo
+from ..core.restore import restore_candidates
 from ..errors import CheckpointNotFoundError, StoreNotFoundError
-from ..manager.checkpoint_manager import checkpoint_records
 from ..store import Store
 
 StepRef = int | Literal["latest", "best"]
@@ -50,27 +51,10 @@ def finite_metrics(values: Mapping[str, Any]) -> dict[str, float]:
 def restore_candidates_for(
     store: Store, run: str, step: StepRef, best: tuple[str, str] | None
 ) -> tuple[list[int], bool]:
-    """``(candidates, fallback)`` for a restore without a manager (same rules as the manager's).
-
-    ``"latest"``: full checkpoints newest first (unreadable manifests included, so that the
-    restore reports them as skipped). ``"best"``: scored checkpoints best first. An int:
-    exactly that step, no fallback.
-    """
-    records = checkpoint_records(store, run)
-    if step == "latest":
-        return [r.step for r in reversed(records) if r.kind == "full" or not r.valid], True
-    if step == "best":
-        if best is None:
-            raise ValueError(
-                "restoring the 'best' checkpoint needs a metric: pass best_metric= (or a "
-                "KeepBest keep policy) to the integration"
-            )
-        metric, mode = best
-        scored = [r for r in records if r.valid and math.isfinite(r.metrics.get(metric, math.nan))]
-        sign = 1.0 if mode == "min" else -1.0
-        scored.sort(key=lambda r: (sign * r.metrics[metric], -r.step))
-        return [r.step for r in scored], True
-    return [int(step)], False
+    """``(candidates, fallback)`` for a restore without a manager (the manager's rules:
+    :func:`stepvault.catalog.choose_candidates`)."""
+    chosen = choose_candidates(checkpoint_records(store, run), step, best=best)
+    return chosen.steps, chosen.fallback
 
 
 def read_checkpoint(

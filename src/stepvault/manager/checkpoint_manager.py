@@ -1,102 +1,43 @@
 """``CheckpointManager``: the one object a training loop talks to.
 
-It decides *when* to save (save policy), writes without stalling training (only the copy
-into reusable host buffers happens on the training thread), keeps what is worth keeping
-(keep policy, then garbage collection), restores the newest checkpoint that verifies, and
-records every save, restore, deletion and failure in the store's event log.
+It is a coordinator: it decides *when* to save (save policy), hands a due save to the save
+pipeline (:mod:`.saving`: only the copy into reusable host buffers happens on the training
+thread), runs the after-commit hooks (:mod:`.hooks`: retention and GC, the tier mover),
+restores through the restore planner (:mod:`.restoring`) and records every save, restore,
+deletion and failure in the store's event log. What differs between one process and every
+rank of a process group is one strategy object chosen at construction (:mod:`.scope`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import time
-import warnings
 from collections.abc import Mapping, MutableMapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
-from ..api import (
-    RestoreInfo,
-    SaveInfo,
-    new_manifest,
-    open_store_for_writing,
-    restore_candidates,
-    write_manifest,
-)
-from ..distributed.state import distributed_active
-from ..engine import to_host
+from ..catalog import CheckpointRecord, checkpoint_records, choose_candidates
+from ..catalog.events import read_events
+from ..catalog.lineage import Lineage
+from ..catalog.vault import Vault
+from ..core.info import RestoreInfo, SaveInfo
+from ..core.write import open_store_for_writing
 from ..engine.background import BackgroundWriter
-from ..engine.gc import DEFAULT_GRACE_SECONDS, sweep
+from ..engine.gc import DEFAULT_GRACE_SECONDS
 from ..engine.staging_area import StagingArea
 from ..errors import NoValidCheckpointError, StepvaultError
-from ..format import parse_manifest
-from ..lineage import Lineage, write_lineage
-from ..policy import (
-    CheckpointRecord,
-    KeepAny,
-    KeepBest,
-    KeepPolicy,
-    RetentionPlan,
-    SaveContext,
-    SaveDecision,
-    SavePolicy,
-    merge_decisions,
-    plan_retention,
-)
-from ..state.snapshot import take_snapshot
+from ..policy import KeepPolicy, RetentionPlan, SaveContext, SaveDecision, SavePolicy
 from ..store import Store, validate_run_name, validate_step
-from ..store.annotations import manifest_id, merged_metrics, read_annotations
-from ..store.events import log_event, read_events
-from ..store.lease import DEFAULT_STALE_AFTER, acquire_lease
+from ..store.lease import DEFAULT_STALE_AFTER
 from ..store.signing import Signer
-from ..vault import CheckpointSummary, Vault
-
-IfBusy = Literal["wait", "skip"]
-
-
-@dataclass
-class SaveHandle:
-    """A save the manager started. ``result()`` waits for it and returns its SaveInfo."""
-
-    step: int
-    kind: str
-    reason: str
-    stall_seconds: float
-    asynchronous: bool
-    _future: Future | None = None
-    _info: SaveInfo | None = None
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
-    def result(self, timeout: float | None = None) -> SaveInfo:
-        """The committed save's :class:`SaveInfo` (raises the save's error, if it failed)."""
-        if self._info is None and self._future is not None:
-            self._info = self._future.result(timeout)
-        assert self._info is not None
-        return self._info
-
-
-@dataclass
-class _Stats:
-    saves: int = 0
-    failures: int = 0
-    skipped_busy: int = 0
-    stalls: list[float] = field(default_factory=list)
-    writes: list[float] = field(default_factory=list)
-    new_bytes: int = 0
-    logical_bytes: int = 0
-    restores: int = 0
-    restore_failures: int = 0
-    fallbacks: int = 0
-    deleted: int = 0
-    freed_bytes: int = 0
+from .hooks import NotifyMover, Retention, tracked_best
+from .options import IfBusy, ManagerOptions
+from .restoring import ManagerRestorer
+from .saving import AfterCommit, CollectiveWriter, LocalWriter, SavePipeline
+from .scope import choose_scope
+from .session import RunSession
+from .stats import SaveHandle
 
 
 class _SaveAlways(SavePolicy):
@@ -107,50 +48,6 @@ class _SaveAlways(SavePolicy):
 
     def __repr__(self) -> str:
         return "Always()"
-
-
-def read_record(
-    store: Store, run: str, step: int, annotations: list[dict[str, Any]] | None = None
-) -> CheckpointRecord:
-    """The keep-policy record of one checkpoint (``valid=False`` if its manifest is unreadable).
-
-    Metrics attached later with ``stepvault annotate`` override those recorded at save time.
-    """
-    try:
-        data = store.read_manifest(run, step)
-        m = parse_manifest(data, f"{run}@{step}")
-    except StepvaultError:
-        return CheckpointRecord(step, 0.0, valid=False)
-    mid = manifest_id(data)
-    metrics = merged_metrics(dict(m.metrics), annotations or [], mid)
-    return CheckpointRecord(step, m.created, metrics, m.kind, m.epoch, manifest_id=mid)
-
-
-def checkpoint_records(
-    store: Store, run: str, cache: dict[int, CheckpointRecord] | None = None
-) -> list[CheckpointRecord]:
-    """Keep-policy records of every committed checkpoint of ``run`` (pins, holds, annotations).
-
-    A manifest that cannot be read gives a record with ``valid=False``. ``cache`` holds the
-    records read from manifests; annotations are re-read on every call (one listing), so
-    metrics attached by an evaluation job while training runs count at once.
-    """
-    cache = {} if cache is None else cache
-    pinned = store.protected_steps(run)  # user pins and registry holds
-    annotations = read_annotations(store, run)
-    out = []
-    for step in store.list_steps(run):
-        rec = cache.get(step)
-        if rec is None:
-            rec = cache[step] = read_record(store, run, step)
-        if step in annotations and rec.valid:
-            rec = dataclasses.replace(
-                rec, metrics=merged_metrics(rec.metrics, annotations[step], rec.manifest_id)
-            )
-        if (step in pinned) != rec.pinned:
-            rec = dataclasses.replace(rec, pinned=step in pinned)
-        out.append(rec)
-    return out
 
 
 class CheckpointManager:
@@ -229,73 +126,66 @@ class CheckpointManager:
         tier_policy: Any = None,
         collective: bool | None = None,
     ) -> None:
-        if on_save_error not in ("raise", "warn"):
-            raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
-        self.on_save_error = on_save_error
-        if if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        # Every option is checked here, before the store is touched.
+        self.options = opts = ManagerOptions(
+            async_save=async_save,
+            if_busy=if_busy,
+            codec=codec,
+            best_metric=best_metric,
+            best_mode=best_mode,
+            total_steps=total_steps,
+            gc_grace_seconds=gc_grace_seconds,
+            lease_stale_after=lease_stale_after,
+            workers=workers,
+            on_save_error=on_save_error,
+            collective=collective,
+        )
         self.run = validate_run_name(run)
+        self.save_policy: SavePolicy = save if save is not None else _SaveAlways()
+        scope = choose_scope(collective)
         self.store = open_store_for_writing(root)
         if signer is not None:
             self.store.signer = signer
-        # Lineage (config, git commit, data, environment, parent) is captured once per
-        # session and linked from every manifest it commits; lineage=False records none.
-        self.lineage: Lineage | None = Lineage.capture() if lineage is None else (lineage or None)
-        self._lineage_digest: str | None = None
-        self.save_policy: SavePolicy = save if save is not None else _SaveAlways()
-        self.keep_policy = keep
-        self.async_save = async_save
-        self.if_busy = if_busy
-        self.codec = codec
-        self.total_steps = total_steps
-        self.gc_grace_seconds = gc_grace_seconds
-        self.workers = workers
-        self._best = self._best_metrics(best_metric, best_mode)
-        # Under a process group every rank has a manager; rank 0 holds the lease, logs
-        # events and applies retention, and saves are collective (asynchronous through DCP's
-        # async_save on a dedicated gloo group when async_save=True).
-        if collective and not distributed_active():
-            raise ValueError("collective=True needs an initialised torch.distributed group")
-        self._dist = distributed_active() if collective is None else bool(collective)
-        self._local_only = collective is False  # a rank-local manager under a process group
-        self._rank = torch.distributed.get_rank() if self._dist else 0
         # Cold tiers (recorded in the store) and, with a tier policy, the background mover
-        # (rank 0 only); restores read through the view: any tier, hot first. STORAGE.md.
+        # (the coordinator only); restores read through the view: any tier, hot first.
         from ..tiers.hook import setup_tiers
 
-        self._view, self.tier_mover = setup_tiers(
+        view, self.tier_mover = setup_tiers(
             self.store,
             self.run,
             tiers,
             tier_policy,
-            coordinator=self._rank == 0,
+            coordinator=scope.coordinator,
             grace_seconds=gc_grace_seconds,
         )
-        self._lease = self._acquire_lease(lease_stale_after)
+        # Lineage (config, git commit, data, environment, parent) is captured once per
+        # session and linked from every manifest it commits; lineage=False records none.
+        self.lineage: Lineage | None = Lineage.capture() if lineage is None else (lineage or None)
+        self._session = s = RunSession(
+            self.store, view, self.run, opts, scope, lineage=self.lineage
+        )
+        self._lease = scope.acquire_lease(self.store, self.run, lease_stale_after)
         self._closed = False
-        self._lock = threading.RLock()
-        self._bg = BackgroundWriter() if async_save else None
-        self._async_dist = None
-        if async_save and self._dist:
-            from ..distributed.api import AsyncSaver
-
-            self._async_dist = AsyncSaver()  # collective: every rank builds its manager
+        self._best = tracked_best(keep, best_metric, best_mode)
         self._staging = StagingArea()
-        self._stats = _Stats()
-        self._records: dict[int, CheckpointRecord] = {}
+        writer = (
+            CollectiveWriter(s, async_save) if scope.collective else LocalWriter(s, self._staging)
+        )
+        self._retention = Retention(s, keep, self._best, self.tier_mover)
+        hooks: list[AfterCommit] = [self._retention]
+        if self.tier_mover is not None:
+            hooks.append(NotifyMover(self.tier_mover))
+        self._pipeline = SavePipeline(s, writer, BackgroundWriter() if async_save else None, hooks)
+        self._restorer = ManagerRestorer(s, self._best)
         self._last_save_step: int | None = None
         self._last_save_time: float | None = None
         self._save_cost: float | None = None
         self._pending_decision: tuple[tuple[int, int | None], SaveDecision | None] | None = None
         self._heartbeat_error: BaseException | None = None
-        self._metrics = None
         if prometheus:
             from .metrics import PrometheusMetrics
 
-            registry = None if prometheus is True else prometheus
-            self._metrics = PrometheusMetrics(self.run, registry)
+            s.metrics = PrometheusMetrics(self.run, None if prometheus is True else prometheus)
         try:
             self.save_policy.install()
         except BaseException:
@@ -312,40 +202,37 @@ class CheckpointManager:
             )
             self._heartbeat.start()
 
-    def _acquire_lease(self, stale_after: float) -> Any:
-        if not self._dist:
-            return acquire_lease(self.store, self.run, stale_after=stale_after)
-        lease, error = None, None
-        if self._rank == 0:
-            try:
-                lease = acquire_lease(self.store, self.run, stale_after=stale_after)
-            except StepvaultError as exc:
-                error = str(exc)
-        box = [error]
-        torch.distributed.broadcast_object_list(box, src=0)
-        if box[0] is not None:  # every rank fails together, none hangs later
-            from ..store.lease import LeaseHeldError
+    @property
+    def keep_policy(self) -> KeepPolicy | None:
+        """The keep policy applied after every save (may be replaced between saves)."""
+        return self._retention.keep
 
-            raise LeaseHeldError(box[0])
-        return lease
+    @keep_policy.setter
+    def keep_policy(self, keep: KeepPolicy | None) -> None:
+        self._retention.keep = keep
+
+    @property
+    def total_steps(self) -> int | None:
+        """Total steps of the run (lets ``LastStep()`` fire); a trainer may set it once it
+        knows (after a resume, say)."""
+        return self.options.total_steps
+
+    @total_steps.setter
+    def total_steps(self, total: int | None) -> None:
+        self.options = dataclasses.replace(self.options, total_steps=total)  # validated
+        self._session.options = self.options
+
+    # Read-only views of the options (kept as attributes for callers and the integrations).
+    async_save = property(lambda self: self.options.async_save)
+    if_busy = property(lambda self: self.options.if_busy)
+    codec = property(lambda self: self.options.codec)
+    gc_grace_seconds = property(lambda self: self.options.gc_grace_seconds)
+    workers = property(lambda self: self.options.workers)
+    on_save_error = property(lambda self: self.options.on_save_error)
 
     # ----------------------------------------------------------------------------- helpers
-    def _best_metrics(self, metric: str | None, mode: str) -> list[tuple[str, str]]:
-        if metric is not None:
-            return [(metric, mode)]
-        found: list[tuple[str, str]] = []
-
-        def walk(p: Any) -> None:
-            if isinstance(p, KeepBest):
-                found.append((p.metric, p.mode))
-            elif isinstance(p, KeepAny):
-                for q in p.policies:
-                    walk(q)
-
-        walk(self.keep_policy)
-        return found
-
     def _heartbeat_loop(self, interval: float) -> None:
+        assert self._lease is not None  # the loop runs only for a lease holder
         while not self._stop.wait(interval):
             try:
                 self._lease.renew()
@@ -360,37 +247,11 @@ class CheckpointManager:
         if self._heartbeat_error is not None:
             exc, self._heartbeat_error = self._heartbeat_error, None
             raise exc
-        if self._bg is not None:
-            exc = self._bg.poll_error()
-            if exc is not None:
-                self._raise_or_warn(exc)
-
-    def _raise_or_warn(self, exc: BaseException) -> None:
-        """A failed save: raise it, or with ``on_save_error="warn"`` warn and go on."""
-        if self.on_save_error == "warn" and isinstance(exc, Exception):
-            warnings.warn(
-                f"stepvault: a save of run {self.run!r} failed and training continues "
-                f"(on_save_error='warn'); earlier checkpoints are intact: {exc}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
-        raise exc
-
-    def _wait_quietly(self) -> SaveInfo | None:
-        try:
-            return self._bg.wait() if self._bg is not None else None
-        except BaseException as exc:
-            self._raise_or_warn(exc)
-            return None
-
-    def _event(self, event: str, **fields: Any) -> None:
-        if self._rank != 0:
-            return  # one event log per run: the coordinator writes it
-        try:
-            log_event(self.store, self.run, event, **fields)
-        except OSError:
-            pass  # the event log must never break training
+        bg = self._pipeline.bg
+        if bg is not None:
+            failed = bg.poll_error()
+            if failed is not None:
+                self._session.raise_or_warn(failed)
 
     def _context(self, step: int, epoch: int | None) -> SaveContext:
         return SaveContext(
@@ -400,7 +261,7 @@ class CheckpointManager:
             last_save_step=self._last_save_step,
             last_save_time=self._last_save_time,
             save_cost=self._save_cost,
-            total_steps=self.total_steps,
+            total_steps=self.options.total_steps,
         )
 
     def _decide(self, step: int, epoch: int | None) -> SaveDecision | None:
@@ -411,10 +272,7 @@ class CheckpointManager:
         decision = self.save_policy.decide(self._context(step, epoch))
         if decision is not None and not decision.urgent and step == self._last_save_step:
             decision = None  # already saved (or just restored) at this step
-        if self._dist:  # every rank must take the same decision (clocks, signals differ)
-            everyone: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(everyone, decision)
-            decision = merge_decisions([d for d in everyone if d is not None])
+        decision = self._session.scope.agree(decision)
         self._pending_decision = ((step, epoch), decision)
         return decision
 
@@ -460,288 +318,41 @@ class CheckpointManager:
         if decision is None:
             return None
         ctx = self._context(step, epoch)
-        if self._dist:
-            return self._save_collective(step, state, ctx, decision, epoch, metrics)
-        if self._local_only:
-            from ..api import _collective
-
-            _collective(state, False)  # refuses sharded DTensor state with a clear error
-        background = self._bg is not None and not decision.urgent
-        if self._bg is not None and self._bg.busy:
-            if background and self.if_busy == "skip":
-                self._stats.skipped_busy += 1
-                self._event("save_skipped", step=step, reason="previous save still in flight")
-                return None
-            self._wait_quietly()  # raises the previous save's error, if any
-        t0 = time.perf_counter()
-        try:
-            snapshot = take_snapshot(state, kind=decision.kind)
-            manifest = new_manifest(
-                self.run,
-                step,
-                snapshot,
-                epoch=epoch,
-                kind=decision.kind,
-                metrics=metrics,
-                metadata=metadata,
-                lineage=self._lineage_ref(),
-            )
-            if background:
-                host = self._staging.stage(snapshot.arrays)
-            else:
-                host = {name: to_host(value) for name, value in snapshot.arrays.items()}
-        except BaseException as exc:
-            self._failed(step, exc)
-            raise
-        stall = time.perf_counter() - t0
-
-        def job() -> SaveInfo:
-            return self._write(manifest, host, decision, stall, background)
-
-        handle = SaveHandle(step, decision.kind, decision.reason, stall, background)
+        handle = self._pipeline.run(
+            step, state, decision, epoch=epoch, metrics=metrics, metadata=metadata
+        )
+        if handle is None:
+            return None
         self._last_save_step = step
         self._last_save_time = ctx.now
-        if background:
-            handle._future = self._bg.submit(job)
-        else:
-            try:
-                handle._info = job()
-            except BaseException as exc:
-                self._raise_or_warn(exc)
-                return None
-            handle.stall_seconds = time.perf_counter() - t0
-            self._stats.stalls[-1] = handle.stall_seconds
         self.save_policy.saved(ctx, decision)
-        self._save_cost = handle.stall_seconds
+        self._save_cost = handle.stall_seconds  # what training pays per save (Young/Daly's C)
         if decision.exit_code is not None:
-            self._event(
+            self._session.event(
                 "exit_after_save", step=step, exit_code=decision.exit_code, reason=decision.reason
             )
             self.close()
             raise SystemExit(decision.exit_code)
         return handle
-
-    def _save_collective(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        ctx: SaveContext,
-        decision: SaveDecision,
-        epoch: int | None,
-        metrics: Mapping[str, Any] | None,
-    ) -> SaveHandle | None:
-        """Every rank writes its shards; rank 0 commits, logs and applies retention.
-
-        With ``async_save`` the training thread only stages each rank's shards into reused
-        CPU buffers; the write and commit run in the background (DCP ``async_save`` on a
-        dedicated gloo group). Every rank waits for the previous save before starting the
-        next, so a failure surfaces on all ranks at the same call.
-        """
-        from ..api import _encode_metrics
-        from ..state.snapshot import weights_only
-
-        background = self._async_dist is not None and not decision.urgent
-        self._wait_quietly()  # all ranks: the previous save is committed (or failed) first
-        t0 = time.perf_counter()
-        part = weights_only(state) if decision.kind == "weights" else state
-        args = dict(
-            run=self.run,
-            step=step,
-            epoch=epoch,
-            metrics=_encode_metrics(metrics),
-            codec=self.codec,
-            workers=self.workers,
-            lineage=self._lineage_ref() if self._rank == 0 else None,
-        )
-        try:
-            if background:
-                future = self._async_dist.save(self.store, part, **args)
-            else:
-                from ..distributed.api import save_state
-
-                save_state(self.store, part, **args)
-        except BaseException as exc:
-            self._failed(step, exc)
-            self._raise_or_warn(exc)
-            return None
-        stall = time.perf_counter() - t0
-        handle = SaveHandle(step, decision.kind, decision.reason, stall, background)
-        if background:
-
-            def job() -> SaveInfo:
-                try:
-                    future.result()
-                except BaseException as exc:
-                    self._failed(step, exc)
-                    raise
-                return self._committed_collective(step, decision, stall, t0, background)
-
-            handle._future = self._bg.submit(job)
-        else:
-            try:
-                handle._info = self._committed_collective(step, decision, stall, t0, background)
-            finally:
-                torch.distributed.barrier()  # every rank sees the same store after the save
-        self._last_save_step = step
-        self._last_save_time = ctx.now
-        self.save_policy.saved(ctx, decision)
-        self._save_cost = stall  # what training pays per save (Young/Daly's C)
-        if decision.exit_code is not None:
-            self._event(
-                "exit_after_save", step=step, exit_code=decision.exit_code, reason=decision.reason
-            )
-            self.close()
-            raise SystemExit(decision.exit_code)
-        return handle
-
-    def _committed_collective(
-        self, step: int, decision: SaveDecision, stall: float, t0: float, background: bool
-    ) -> SaveInfo:
-        """Bookkeeping after a multi-rank commit: stats, the event and (rank 0) retention."""
-        m = parse_manifest(self.store.read_manifest(self.run, step), f"{self.run}@{step}")
-        seconds = time.perf_counter() - t0
-        info = SaveInfo(
-            self.run,
-            step,
-            m.epoch,
-            m.logical_bytes,
-            m.stored_bytes,
-            int(m.stats.get("new_bytes", 0)),
-            len(m.objects),
-            0,
-            seconds,
-            decision.kind,
-        )
-        self._count_save(info, stall)
-        self._event(
-            "save",
-            step=step,
-            kind=decision.kind,
-            reason=decision.reason,
-            asynchronous=background,
-            world_size=torch.distributed.get_world_size(),
-            logical_bytes=info.logical_bytes,
-            stored_bytes=info.stored_bytes,
-            new_bytes=info.new_bytes,
-            stall_seconds=stall,
-            write_seconds=seconds,
-        )
-        if self._rank == 0 and self.keep_policy is not None:
-            self._apply_retention()  # store-only work: no collective, safe on a thread
-        if self.tier_mover is not None:
-            self.tier_mover.notify()
-        return info
-
-    def _count_save(self, info: SaveInfo, stall: float) -> None:
-        with self._lock:
-            s = self._stats
-            s.saves += 1
-            s.stalls.append(stall)
-            s.writes.append(info.seconds)
-            s.new_bytes += info.new_bytes
-            s.logical_bytes += info.logical_bytes
-            self._records.pop(info.step, None)  # re-read (with its manifest id) when needed
-
-    def _lineage_ref(self) -> str | None:
-        """Digest of this session's lineage record, stored on first use."""
-        if self.lineage is None:
-            return None
-        if self._lineage_digest is None:
-            self._lineage_digest = write_lineage(self.store, self.run, self.lineage)
-        return self._lineage_digest
-
-    def _failed(self, step: int, exc: BaseException) -> None:
-        self._stats.failures += 1
-        if self._metrics:
-            self._metrics.failed()
-        self._event("save_failed", step=step, error=f"{type(exc).__name__}: {exc}")
-
-    def _write(
-        self, manifest: Any, host: dict, decision: SaveDecision, stall: float, background: bool
-    ) -> SaveInfo:
-        try:
-            info = write_manifest(
-                self.store, manifest, host, codec=self.codec, overwrite=True, workers=self.workers
-            )
-        except BaseException as exc:
-            self._failed(manifest.step, exc)
-            raise
-        self._count_save(info, stall)
-        if self._metrics:
-            self._metrics.saved(
-                info.kind, stall, info.seconds, info.new_bytes, info.logical_bytes, info.step
-            )
-        self._event(
-            "save",
-            step=info.step,
-            kind=info.kind,
-            reason=decision.reason,
-            asynchronous=background,
-            logical_bytes=info.logical_bytes,
-            stored_bytes=info.stored_bytes,
-            new_bytes=info.new_bytes,
-            stall_seconds=stall,
-            write_seconds=info.seconds,
-            throughput_bytes_per_s=info.throughput if math.isfinite(info.throughput) else None,
-        )
-        if self.keep_policy is not None:
-            self._apply_retention()
-        if self.tier_mover is not None:
-            self.tier_mover.notify()  # copies/evictions run on the mover's thread
-        return info
 
     def wait(self) -> SaveInfo | None:
         """Block until the save in flight (if any) is committed; raises its error
         (warns instead with ``on_save_error="warn"``)."""
-        return self._wait_quietly()
+        return self._pipeline.wait()
 
     # ---------------------------------------------------------------------- retention
-    def _record(self, step: int) -> CheckpointRecord:
-        rec = self._records.get(step)
-        if rec is None:
-            rec = self._records[step] = read_record(self._view, self.run, step)
-        return rec
-
-    def _all_records(self) -> list[CheckpointRecord]:
-        return checkpoint_records(self.store, self.run, self._records)
-
     def retention_plan(self) -> RetentionPlan:
         """What the keep policy would delete now, and which rule keeps each survivor."""
-        return plan_retention(
-            self._all_records(), self.keep_policy, now=time.time(), best_metrics=self._best
-        )
-
-    def _apply_retention(self) -> None:
-        plan = self.retention_plan()
-        if not plan.delete:
-            return
-        reasons = {e.step: e.reasons for e in plan.entries}
-        delete = plan.delete
-        if self.tier_mover is not None:  # never before the mover copied them to a cold tier
-            owed = self.tier_mover.hold(delete)
-            delete = [s for s in delete if s not in owed]
-        for step in delete:
-            self.store.delete_manifest(self.run, step)  # the checkpoint vanishes atomically
-            self._records.pop(step, None)
-            self._stats.deleted += 1
-            self._event("delete", step=step, reasons=reasons.get(step, []))
-        report = sweep(self.store, grace_seconds=self.gc_grace_seconds)
-        self._stats.freed_bytes += report.freed_bytes
-        self._event(
-            "gc",
-            deleted_objects=len(report.deleted),
-            freed_bytes=report.freed_bytes,
-            kept_in_grace=report.kept_in_grace,
-        )
+        return self._retention.plan()
 
     def pin(self, step: int, note: str = "") -> None:
         """Protect ``step`` from every keep policy until :meth:`unpin`."""
         self.store.pin(self.run, step, note)
-        self._event("pin", step=step, note=note)
+        self._session.event("pin", step=step, note=note)
 
     def unpin(self, step: int) -> None:
         self.store.unpin(self.run, step)
-        self._event("unpin", step=step)
+        self._session.event("unpin", step=step)
 
     # -------------------------------------------------------------------------- restore
     def restore(
@@ -759,150 +370,13 @@ class CheckpointManager:
         """
         self._check()
         self.wait()
-        t0 = time.perf_counter()
-        steps = self._view.list_steps(self.run)  # every tier's checkpoints
-        if step == "latest":
-            candidates = [
-                s
-                for s in reversed(steps)
-                if self._record(s).kind == "full" or not self._record(s).valid
-            ]
-            fallback = True
-        elif step == "best":
-            if not self._best:
-                raise ValueError(
-                    "restore(step='best') needs a metric: pass best_metric= to the manager "
-                    "or use a KeepBest keep policy"
-                )
-            metric, mode = self._best[0]
-            scored = [
-                r
-                for r in self._all_records()  # annotated metrics count
-                if r.valid
-                and isinstance(r.metrics.get(metric), float)
-                and math.isfinite(r.metrics[metric])
-            ]
-            scored.sort(
-                key=lambda r: (r.metrics[metric] if mode == "min" else -r.metrics[metric], -r.step)
-            )
-            candidates = [r.step for r in scored]
-            fallback = True
-        else:
-            candidates = [validate_step(step)]
-            fallback = False
-        if self._dist:  # rank 0's view of the candidates, so every rank tries the same ones
-            box = [candidates]
-            torch.distributed.broadcast_object_list(box, src=0)
-            candidates = box[0]
-        if self._view is not self.store and not self._dist:
-            from ..tiers.view import with_copies
-
-            # A damaged hot copy is quarantined, then the same step is read from a cold tier.
-            candidates = with_copies(self._view, self.run, candidates)
-            fallback = fallback or len(candidates) > 1
-        if not candidates:
-            self._event("restore", step=None, result="fresh start")
-            return None
-        try:
-            if self._dist or any(
-                self._record(c).kind == "full" and self._is_sharded(c) for c in candidates[:1]
-            ):
-                if self._local_only and distributed_active():
-                    raise StepvaultError(
-                        f"{self.run}@{candidates[0]} was saved by several ranks: restore it "
-                        "on every rank with a collective manager (collective=None)"
-                    )
-                info = self._restore_collective(state, candidates, fallback)
-            else:
-                from ..tiers.view import read_workers
-
-                info = restore_candidates(
-                    self._view,
-                    state,
-                    self.run,
-                    candidates,
-                    fallback=fallback,
-                    strict=strict,
-                    workers=self.workers or read_workers(self._view),  # many on S3
-                )
-        except BaseException as exc:
-            self._stats.restores += 1
-            self._stats.restore_failures += 1
-            skipped = getattr(exc, "skipped", [])
-            self._stats.fallbacks += len(skipped)
-            if self._metrics:
-                self._metrics.restored(False, len(skipped))
-            self._event(
-                "restore_failed",
-                requested=str(step),
-                error=f"{type(exc).__name__}: {exc}",
-                skipped=[{"step": s.step, "reason": s.reason} for s in skipped],
-            )
-            raise
-        self._stats.restores += 1
-        self._stats.fallbacks += len(info.skipped)
-        if self._metrics:
-            self._metrics.restored(True, len(info.skipped))
-        for s in info.skipped:
-            self._records.pop(s.step, None)
-        self._last_save_step = info.step
-        self._event(
-            "restore",
-            step=info.step,
-            requested=str(step),
-            skipped=[{"step": s.step, "reason": s.reason} for s in info.skipped],
-            seconds=time.perf_counter() - t0,
-            bytes_read=info.bytes_read,
-        )
+        info = self._restorer.restore(state, step, strict=strict)
+        if info is not None:
+            self._last_save_step = info.step
         return info
 
-    def _is_sharded(self, step: int) -> bool:
-        from ..api import _is_sharded
-
-        return _is_sharded(self._view, self.run, step)  # in whichever tier holds it
-
-    def _restore_collective(
-        self, state: MutableMapping[str, Any], candidates: list[int], fallback: bool
-    ) -> RestoreInfo:
-        """Every rank loads its part (resharding as needed); all fall back together."""
-        from ..api import RestoreInfo, SkippedCheckpoint
-        from ..distributed.api import _is_damage, restore_state
-
-        t0 = time.perf_counter()
-        skipped: list[Any] = []
-        for candidate in candidates:
-            try:
-                # Through the tier view: a checkpoint evicted from hot is read from a cold
-                # tier by every rank (objects from the first tier that has them).
-                chosen = restore_state(
-                    self._view, state, run=self.run, step=candidate, workers=self.workers
-                )
-            except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt | SystemExit):
-                    raise
-                if not fallback or not _is_damage(exc):
-                    raise
-                skipped.append(SkippedCheckpoint(candidate, str(exc)))
-                continue
-            m = parse_manifest(self._view.read_manifest(self.run, chosen), f"{self.run}@{chosen}")
-            return RestoreInfo(
-                self.run,
-                chosen,
-                m.epoch,
-                dict(m.metrics),
-                m.metadata,
-                m.created,
-                m.kind,
-                skipped=skipped,
-                seconds=time.perf_counter() - t0,
-                bytes_read=m.logical_bytes,
-            )
-        raise NoValidCheckpointError(
-            f"no checkpoint of run {self.run!r} could be restored on every rank", skipped
-        )
-
     # ----------------------------------------------------------------------- queries
-    def checkpoints(self) -> list[CheckpointSummary]:
+    def checkpoints(self) -> list[CheckpointRecord]:
         """Every committed checkpoint of the run, oldest first."""
         return Vault(self.store).checkpoints(self.run)
 
@@ -917,16 +391,8 @@ class CheckpointManager:
         """Best step by the manager's metric, or None (no metric or no scored checkpoint)."""
         if not self._best:
             return None
-        metric, mode = self._best[0]
-        scored = [
-            r for r in self._all_records() if r.valid and isinstance(r.metrics.get(metric), float)
-        ]
-        if not scored:
-            return None
-        best = (min if mode == "min" else max)(
-            scored, key=lambda r: (r.metrics[metric], r.step if mode == "max" else -r.step)
-        )
-        return best.step
+        chosen = choose_candidates(self._session.records(), "best", best=self._best[0])
+        return chosen.steps[0] if chosen.steps else None
 
     def events(self) -> list[dict[str, Any]]:
         """The run's event log."""
@@ -934,25 +400,7 @@ class CheckpointManager:
 
     def stats(self) -> dict[str, Any]:
         """Summary: saves, failures, stalls, bytes, restores and their success rate."""
-        s = self._stats
-        restores_ok = s.restores - s.restore_failures
-        return {
-            "saves": s.saves,
-            "failures": s.failures,
-            "skipped_busy": s.skipped_busy,
-            "mean_stall_seconds": sum(s.stalls) / len(s.stalls) if s.stalls else 0.0,
-            "max_stall_seconds": max(s.stalls, default=0.0),
-            "mean_write_seconds": sum(s.writes) / len(s.writes) if s.writes else 0.0,
-            "new_bytes": s.new_bytes,
-            "logical_bytes": s.logical_bytes,
-            "restores": s.restores,
-            "restore_failures": s.restore_failures,
-            "restore_success_rate": restores_ok / s.restores if s.restores else None,
-            "fallbacks": s.fallbacks,
-            "deleted_checkpoints": s.deleted,
-            "freed_bytes": s.freed_bytes,
-            "staging_bytes": self._staging.nbytes,
-        }
+        return self._session.stats.summary(self._staging.nbytes)
 
     # ------------------------------------------------------------------------ closing
     def close(self) -> None:
@@ -964,26 +412,20 @@ class CheckpointManager:
             return
         error: BaseException | None = None
         try:
-            if self._bg is not None:
-                try:
-                    self._wait_quietly()
-                except BaseException as exc:
-                    error = exc
-                self._bg.shutdown()
+            error = self._pipeline.close()
             if self.tier_mover is not None:
                 self.tier_mover.close()  # a last pass, while this process holds the lease
-                if self.keep_policy is not None:
+                if self.keep_policy is not None and self._session.scope.coordinator:
                     try:  # deletions deferred until the mover had copied those checkpoints
-                        self._apply_retention()
+                        self._retention.apply()
                     except (StepvaultError, OSError):
                         pass  # the next session's first save applies it
         finally:
             self._closed = True
             self._stop.set()
             self.save_policy.uninstall()
+            self._pipeline.writer.close()
             self._staging.release()
-            if self._async_dist is not None:
-                self._async_dist.close()
             try:
                 if self._lease is not None:
                     self._lease.release()

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from ..catalog.events import log_event
+from ..catalog.vault import Vault
 from ..errors import StepvaultError
 from ..format.encoding import torch_dtype
 from ..store import Store
-from ..store.events import log_event
-from ..vault import Vault
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

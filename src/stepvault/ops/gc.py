@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..catalog import apply_retention, checkpoint_records
 from ..engine.gc import DEFAULT_GRACE_SECONDS, SweepReport, sweep
-from ..manager.checkpoint_manager import checkpoint_records
-from ..policy import KeepPolicy, RetentionPlan, plan_retention
+from ..policy import KeepPolicy, RetentionPlan
 from ..store import Store
-from ..store.events import log_event
 from ..store.lease import acquire_lease
 
 
@@ -51,15 +49,20 @@ def collect_garbage(
     if keep is not None:
         if run is None:
             raise ValueError("a keep policy applies to one run: name the run")
-        plan = plan_retention(checkpoint_records(store, run), keep, now=time.time())
-        if not dry_run and plan.delete:
-            lease = acquire_lease(store, run)
-            try:
-                reasons = {e.step: e.reasons for e in plan.entries}
-                for step in plan.delete:
-                    store.delete_manifest(run, step)
-                    log_event(store, run, "delete", step=step, reasons=reasons[step], by="gc")
-            finally:
+        leases = []
+        try:
+            plan = apply_retention(
+                store,
+                run,
+                keep,
+                checkpoint_records(store, run),
+                dry_run=dry_run,
+                sweep_objects=False,
+                by="gc",
+                before_delete=lambda: leases.append(acquire_lease(store, run)),
+            ).plan
+        finally:
+            for lease in leases:
                 lease.release()
     report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run)
     return GCResult(run, plan, report)

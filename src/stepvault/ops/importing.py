@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..api import SaveInfo, save
+from ..core.info import SaveInfo
+from ..core.write import save
 from ..errors import StepvaultError
 
 

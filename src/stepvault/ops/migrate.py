@@ -46,7 +46,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..api import SaveInfo, new_manifest, open_store_for_writing, write_manifest
+from ..core.info import SaveInfo
+from ..core.write import new_manifest, open_store_for_writing, write_manifest
 from ..engine import to_host
 from ..errors import StepvaultError, UnsupportedTypeError
 from ..format import Encoder

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..catalog.events import log_event
 from ..store import Store
-from ..store.events import log_event
 from .verify import VerifyReport, verify_store
 
 

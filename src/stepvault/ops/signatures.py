@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..catalog.annotations import read_annotations
 from ..registry import Registry
 from ..store import Store
-from ..store.annotations import read_annotations
 from ..store.signing import Signer, Verifier
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..format.record import CheckpointRecord
+
 
 @dataclass(frozen=True)
 class SaveContext:
@@ -53,21 +55,6 @@ class SavePolicy:
         from .save import AnyOf
 
         return AnyOf(self, other)
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    """What a keep policy knows about one committed checkpoint."""
-
-    step: int
-    created: float  # wall-clock Unix time
-    metrics: dict[str, float] = field(default_factory=dict)
-    kind: str = "full"
-    epoch: int | None = None
-    pinned: bool = False
-    valid: bool = True  # False when known damaged
-    #: BLAKE3 of the manifest file: ties after-the-fact annotations to this exact checkpoint
-    manifest_id: str = ""
 
 
 @dataclass

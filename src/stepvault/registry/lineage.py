@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..catalog.annotations import manifest_id
+from ..catalog.lineage import read_lineage
+from ..catalog.vault import parse_ref
 from ..errors import StepvaultError
 from ..format import parse_manifest
-from ..lineage import read_lineage
 from ..store import Store
-from ..store.annotations import manifest_id
-from ..vault import parse_ref
 from .models import Registry
 
 #: Parents are followed this deep (a fine-tune of a fine-tune of ...).

@@ -36,10 +36,10 @@ from typing import Any
 
 from blake3 import blake3
 
+from ..catalog.annotations import manifest_id
+from ..catalog.events import log_event
 from ..errors import CheckpointNotFoundError, StepvaultError
 from ..store import Store, validate_run_name
-from ..store.annotations import manifest_id
-from ..store.events import log_event
 from ..store.signing import Signer, Verifier
 
 #: The suggested trio; any valid name works.
@@ -370,7 +370,7 @@ class Registry:
             if m:
                 version = self.version(model, int(m.group(1))).version
             else:
-                from ..vault import parse_ref
+                from ..catalog.vault import parse_ref
 
                 run, step = parse_ref(target)
                 if not isinstance(step, int):

@@ -92,8 +92,12 @@ class Backend(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove ``key``; missing keys are ignored."""
 
-    def touch(self, key: str) -> None:
-        """Mark ``key`` as recently used (its modification time), for GC's grace period."""
+    def touch(self, key: str) -> bool | None:
+        """Mark ``key`` as recently used (its modification time), for GC's grace period.
+
+        Returns True when ``key`` was there, False when it is absent, None when this backend
+        cannot tell (a save then asks :meth:`exists`)."""
+        return None
 
     def mtime(self, key: str) -> float:
         """Modification time of ``key`` (Unix seconds); ``FileNotFoundError`` when absent."""

@@ -79,7 +79,7 @@ class FsspecBackend(Backend):
     """A store under ``root`` on an fsspec filesystem ``fs`` (see :func:`open_fsspec`)."""
 
     #: Appending rewrites the whole object here, so the event log writes one object per
-    #: event instead (see :mod:`stepvault.store.events`).
+    #: event instead (see :mod:`stepvault.catalog.events`).
     append_is_cheap = False
 
     def __init__(self, fs: Any, root: str, url: str, *, part_size: int = DEFAULT_PART_SIZE):
@@ -206,7 +206,7 @@ class FsspecBackend(Backend):
             pass
 
     @_translated
-    def touch(self, key: str) -> None:
+    def touch(self, key: str) -> bool | None:
         """Refresh the modification time GC's grace period looks at.
 
         S3 has no utime: a server-side copy of the object onto itself (no bytes move
@@ -228,11 +228,14 @@ class FsspecBackend(Backend):
                 with _MEMORY_LOCK:
                     self.fs.pipe_file(path, self.fs.cat_file(path))
             else:
+                if not self.fs.exists(path):
+                    return False  # fs.touch would create an empty file under the name
                 self.fs.touch(path, truncate=False)
         except FileNotFoundError:
-            pass
+            return False
         except (NotImplementedError, ValueError):
-            pass  # no way to refresh it here; GC's grace period falls back to creation time
+            return None  # no way to refresh it here; GC's grace period uses creation time
+        return True
 
     @_translated
     def mtime(self, key: str) -> float:

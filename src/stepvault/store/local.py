@@ -294,11 +294,12 @@ class LocalBackend(Backend):
             if isinstance(t, _Staged):
                 _silent_unlink(t.tmp)
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: str) -> bool | None:
         try:
             os.utime(self._path(key), follow_symlinks=False)
         except FileNotFoundError:
-            pass
+            return False
+        return True
 
     def mtime(self, key: str) -> float:
         return os.stat(self._path(key), follow_symlinks=False).st_mtime

@@ -151,9 +151,12 @@ class Store:
     def object_size(self, digest: str) -> int:
         return self.backend.size(self.object_key(digest))
 
-    def touch_object(self, digest: str) -> None:
-        """Refresh an object's mtime: a save reuses it, so GC's grace period must cover it."""
-        self.backend.touch(self.object_key(digest))
+    def touch_object(self, digest: str) -> bool | None:
+        """Refresh an object's mtime: a save reuses it, so GC's grace period must cover it.
+
+        True when the object was there, False when absent, None when the backend cannot tell.
+        """
+        return self.backend.touch(self.object_key(digest))
 
     def object_mtime(self, digest: str) -> float:
         return self.backend.mtime(self.object_key(digest))

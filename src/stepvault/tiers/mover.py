@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..catalog.events import log_event
+from ..catalog.records import checkpoint_records
 from ..engine.gc import DEFAULT_GRACE_SECONDS, sweep
 from ..errors import StepvaultError
-from ..format import parse_manifest
 from ..policy import CheckpointRecord
 from ..store import Store
-from ..store.events import log_event
 from .config import HOT, Tiers
 from .copy import DEFAULT_COPY_WORKERS, CopyStats, copy_checkpoint, copy_pin
 from .policy import TierPlan, TierPolicy, plan_tiers
@@ -41,27 +41,6 @@ def protected_steps(store: Store, run: str) -> set[int]:
     if method is not None:
         return set(method(run))
     return set(store.pinned_steps(run))
-
-
-def tier_records(
-    store: Store, run: str, cache: dict[int, CheckpointRecord] | None = None
-) -> list[CheckpointRecord]:
-    """Policy records of the checkpoints committed in ``store`` (manifests are immutable,
-    so ``cache`` may keep them across calls)."""
-    cache = {} if cache is None else cache
-    protected = protected_steps(store, run)
-    out = []
-    for step in store.list_steps(run):
-        rec = cache.get(step)
-        if rec is None:
-            try:
-                m = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
-                rec = CheckpointRecord(step, m.created, dict(m.metrics), m.kind, m.epoch)
-            except StepvaultError:
-                rec = CheckpointRecord(step, 0.0, valid=False)
-            cache[step] = rec
-        out.append(CheckpointRecord(**{**rec.__dict__, "pinned": step in protected}))
-    return out
 
 
 @dataclass
@@ -126,7 +105,7 @@ def apply_tier_policy(
     hot = tiers.hot
     now = time.time() if now is None else now
     holdings = _holdings(tiers, run, policy.tiers())
-    plan = plan_tiers(tier_records(hot, run, records), policy, now=now, holdings=holdings)
+    plan = plan_tiers(checkpoint_records(hot, run, records), policy, now=now, holdings=holdings)
     report = MoveReport(run, plan, dry_run)
     if dry_run:
         return report
@@ -276,7 +255,7 @@ class TierMover:
             holdings = self._holdings
             if holdings is None:
                 holdings = self._holdings = _holdings(self.tiers, self.run, self.policy.tiers())
-            records = tier_records(self.tiers.hot, self.run, self._records)
+            records = checkpoint_records(self.tiers.hot, self.run, self._records)
             return owed_steps(self.tiers, self.run, self.policy, steps, records, holdings)
         except (StepvaultError, OSError):
             return set(steps)  # cannot tell: keep them all for now

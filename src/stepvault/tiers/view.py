@@ -14,11 +14,11 @@ the archive, many objects in parallel (the reader's prefetch).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, StepvaultError
+from ..errors import CheckpointNotFoundError, ManifestError, StepvaultError
 from ..store import Store
 from .config import HOT, TIERS_KEY, Tiers
 
@@ -87,6 +87,14 @@ class TieredView(Store):
             f"no committed checkpoint {run}@{step} in any tier of {self.backend.url} "
             f"({', '.join(self.order)})"
         )
+
+    def read_manifests(self, run: str, steps: Sequence[int]) -> Iterator[tuple[int, Any]]:
+        """``(step, bytes or error)`` per step, each from the hottest tier that has it."""
+        for step in steps:
+            try:
+                yield step, self.read_manifest(run, step)
+            except (CheckpointNotFoundError, ManifestError) as exc:
+                yield step, exc
 
     def read_run_info(self, run: str) -> dict[str, Any] | None:
         for _, store in self._stores():

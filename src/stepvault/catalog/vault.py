@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
-from .engine import CheckpointReader
-from .engine.summaries import SummaryCache, summary_of, verified_body_digest
-from .errors import CheckpointNotFoundError, IntegrityError, InvalidNameError, StepvaultError
-from .format import Manifest, decode_value, parse_manifest
-from .store import Store, validate_run_name
-from .store.annotations import manifest_id, merged_metrics, read_annotations
+from ..engine import CheckpointReader
+from ..errors import CheckpointNotFoundError, InvalidNameError
+from ..format import Manifest, decode_value, parse_manifest
+from ..format.record import CheckpointRecord
+from ..store import Store, validate_run_name
+from .records import checkpoint_records
 
 _REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?")
 
@@ -30,21 +29,8 @@ def parse_ref(text: str) -> tuple[str, int | str | None]:
     return run, int(step)
 
 
-@dataclass(frozen=True)
-class CheckpointSummary:
-    """One line of a listing."""
-
-    run: str
-    step: int
-    epoch: int | None
-    created: float
-    kind: str
-    metrics: dict[str, float]
-    logical_bytes: int
-    stored_bytes: int
-    new_bytes: int
-    tensors: int
-    error: str | None = None
+#: One line of a listing: the catalog's one row type (the name stays for the public API).
+CheckpointSummary = CheckpointRecord
 
 
 class Checkpoint:
@@ -144,39 +130,14 @@ class Vault:
             step = steps[-1]
         return Checkpoint(self.store, self.manifest(run, int(step)))
 
-    def checkpoints(self, run: str) -> list[CheckpointSummary]:
-        """Summaries of every checkpoint of ``run`` (damaged manifests show their error).
+    def checkpoints(self, run: str) -> list[CheckpointRecord]:
+        """Records of every checkpoint of ``run`` (damaged manifests show their error).
 
         Every manifest is read and its checksum verified; one that was summarised before
-        (same checksum) is not parsed again: its summary comes from the run's summary
-        cache (see :mod:`stepvault.engine.summaries`), which makes long runs list fast.
+        (same checksum) is not parsed again: its record comes from the run's summary
+        cache (see :mod:`stepvault.catalog.summaries`), which makes long runs list fast.
         """
-        cache = SummaryCache(self.store, run)
-        annotations = read_annotations(self.store, run)
-        out = []
-        for step, data in self.store.read_manifests(run, self.steps(run)):
-            try:
-                if isinstance(data, Exception):
-                    raise data
-                digest = verified_body_digest(data)
-                summary = cache.get(digest, step) if digest else None
-                if summary is None:
-                    summary = summary_of(parse_manifest(data, f"{run}@{step}"))
-                    if digest:
-                        cache.put(digest, summary)
-            except (IntegrityError, StepvaultError) as exc:
-                out.append(CheckpointSummary(run, step, None, 0.0, "?", {}, 0, 0, 0, 0, str(exc)))
-                continue
-            if step in annotations:  # metrics attached later (stepvault annotate) win
-                summary = {
-                    **summary,
-                    "metrics": merged_metrics(
-                        summary["metrics"], annotations[step], manifest_id(data)
-                    ),
-                }
-            out.append(CheckpointSummary(run=run, **summary))
-        cache.save()
-        return out
+        return checkpoint_records(self.store, run)
 
     def __repr__(self) -> str:
         return f"<Vault {self.url}>"

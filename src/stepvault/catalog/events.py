@@ -18,8 +18,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .names import validate_run_name
-from .repository import Store
+from ..store.names import validate_run_name
+from ..store.repository import Store
 
 
 def _user() -> str:

@@ -22,14 +22,15 @@ import os
 import re
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from blake3 import blake3
 
 from ..errors import StepvaultError
-from .names import validate_run_name, validate_step
-from .repository import Store
-from .signing import Signer
+from ..store.names import validate_run_name, validate_step
+from ..store.repository import Store
+from ..store.signing import Signer
 
 _FILE = re.compile(r"^(0|[1-9][0-9]{0,17})\.([1-9][0-9]{0,8})\.json$")
 
@@ -130,3 +131,26 @@ def merged_metrics(
             if isinstance(value, int | float) and math.isfinite(value):
                 out[name] = float(value)
     return out
+
+
+def annotate(
+    root: str | os.PathLike[str] | Store,
+    run: str,
+    step: int,
+    metrics: Mapping[str, Any],
+    *,
+    note: str = "",
+    signer: Signer | None = None,
+) -> dict[str, Any]:
+    """Attach evaluation ``metrics`` to checkpoint ``run@step`` after the fact.
+
+    The record is bound to that exact manifest; keep policies (``KeepBest``) and
+    ``restore(step="best")`` use the newest annotated value of each metric. Returns the
+    stored record (time, user, host, metrics).
+    """
+    from .events import log_event
+
+    store = root if isinstance(root, Store) else Store.open(root)
+    record = write_annotation(store, run, step, dict(metrics), note=note, signer=signer)
+    log_event(store, run, "annotate", step=step, metrics=record["metrics"], note=note)
+    return record

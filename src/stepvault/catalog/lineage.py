@@ -23,10 +23,10 @@ from typing import Any
 
 from blake3 import blake3
 
-from ._env import environment
-from .errors import IntegrityError, StepvaultError
-from .store import Store, validate_run_name
-from .store.annotations import manifest_id
+from .._env import environment
+from ..errors import IntegrityError, StepvaultError
+from ..store import Store, validate_run_name
+from .annotations import manifest_id
 
 LINEAGE_FORMAT = "stepvault-lineage"
 

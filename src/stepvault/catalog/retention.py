@@ -1,0 +1,87 @@
+"""Retention applied: the one function the manager, ``stepvault gc`` and the tier mover's
+deferred deletions go through. Manifests are deleted first (each checkpoint vanishes
+atomically), then a mark-and-sweep removes the objects no committed checkpoint names."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.gc import DEFAULT_GRACE_SECONDS, SweepReport, sweep
+from ..format.record import CheckpointRecord
+from ..policy import KeepPolicy, RetentionPlan, plan_retention
+from ..store import Store
+from .events import log_event
+
+#: ``hold(steps) -> steps that must not be deleted yet`` (the tier mover: still owed to a
+#: cold tier)
+Hold = Callable[[list[int]], set[int]]
+
+
+@dataclass
+class RetentionResult:
+    """What applying a keep policy did (or, for a dry run, would do)."""
+
+    plan: RetentionPlan
+    deleted: list[int] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)
+    sweep: SweepReport | None = None
+
+
+def apply_retention(
+    store: Store,
+    run: str,
+    keep: KeepPolicy | None,
+    records: list[CheckpointRecord],
+    *,
+    best_metrics: Iterable[tuple[str, str]] | None = None,
+    hold: Hold | None = None,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    dry_run: bool = False,
+    sweep_objects: bool | None = None,
+    log: Callable[..., Any] | None = None,
+    by: str | None = None,
+    now: float | None = None,
+    before_delete: Callable[[], Any] | None = None,
+) -> RetentionResult:
+    """Delete the checkpoints of ``run`` that ``keep`` does not keep, then sweep objects.
+
+    ``records`` are the run's records (:func:`~stepvault.catalog.checkpoint_records`).
+    ``hold`` may veto deletions for now (the tier mover). ``sweep_objects``: True always
+    sweeps, False never, None (default) when the plan deletes something. ``log(event,
+    **fields)`` records each deletion and the sweep (default: the run's event log); ``by``
+    names the caller in the deletion events. ``dry_run`` deletes nothing and the sweep
+    only counts. The caller holds the run's lease (the manager), or takes it in
+    ``before_delete``, which runs once before the first deletion (``stepvault gc``).
+    """
+    log = log or (lambda event, **fields: log_event(store, run, event, **fields))
+    plan = plan_retention(
+        records, keep, now=time.time() if now is None else now, best_metrics=best_metrics
+    )
+    result = RetentionResult(plan)
+    delete = plan.delete
+    if hold is not None and delete and not dry_run:
+        owed = hold(delete)
+        result.held = [s for s in delete if s in owed]
+        delete = [s for s in delete if s not in owed]
+    if not dry_run:
+        reasons = {e.step: e.reasons for e in plan.entries}
+        extra = {"by": by} if by else {}
+        if delete and before_delete is not None:
+            before_delete()
+        for step in delete:
+            store.delete_manifest(run, step)  # the checkpoint vanishes atomically
+            result.deleted.append(step)
+            log("delete", step=step, reasons=reasons.get(step, []), **extra)
+    if sweep_objects or (sweep_objects is None and plan.delete):
+        result.sweep = report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run)
+        if not dry_run:
+            log(
+                "gc",
+                deleted_objects=len(report.deleted),
+                freed_bytes=report.freed_bytes,
+                kept_in_grace=report.kept_in_grace,
+            )
+    return result

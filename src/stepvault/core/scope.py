@@ -1,0 +1,36 @@
+"""Whether a save or restore is collective (every rank, through DCP) or local."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import StepvaultError
+
+
+def is_collective(state: Mapping[str, Any], collective: bool | None) -> bool:
+    """Whether a save/restore of ``state`` must run on every rank through DCP.
+
+    ``collective=False`` (a rank-local call under a process group) refuses sharded DTensor
+    state: one rank's save would keep only that rank's shards.
+    """
+    from ..distributed.state import distributed_active, has_dtensor
+
+    sharded = has_dtensor(state)
+    if collective is False:
+        if sharded:
+            raise StepvaultError(
+                "the state holds sharded DTensors (FSDP2 / tensor parallel): a save from one "
+                "rank would keep only that rank's shards. Call stepvault.save on every rank "
+                "(leave collective unset)"
+            )
+        return False
+    return bool(collective) or sharded or distributed_active()
+
+
+def current_rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

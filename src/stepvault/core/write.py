@@ -1,0 +1,224 @@
+"""The save path of the core: a snapshot becomes a manifest, its objects and a commit.
+
+``save`` (the function behind :func:`stepvault.save`) is snapshot → :func:`new_manifest`
+→ host copies → :func:`write_manifest`; the manager runs the same steps with its own
+staging buffers and a background thread in between (ARCHITECTURE.md, "The save path").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .._env import environment
+from ..catalog.lineage import Lineage, write_lineage
+from ..catalog.summaries import record_commit
+from ..engine import HostArray, to_host, write_checkpoint
+from ..errors import StepvaultError
+from ..format import CODEC_CHOICES, Manifest, ObjectEntry, parse_manifest
+from ..format.settings import DEFAULT_STORE_SETTINGS
+from ..state.snapshot import Snapshot, take_snapshot
+from ..store import Store, validate_run_name, validate_step
+from ..store.signing import Signer
+from .info import SaveInfo
+from .scope import current_rank, is_collective
+from .values import encode_metadata, encode_metrics
+
+Root = str | os.PathLike[str]
+
+
+def check_codec(codec: str | None) -> str | None:
+    """``codec`` if it names a codec (or is None); else a ValueError naming the choices."""
+    if codec is not None and codec not in CODEC_CHOICES:
+        raise ValueError(f"codec must be one of {CODEC_CHOICES}, got {codec!r}")
+    return codec
+
+
+def new_manifest(
+    run: str,
+    step: int,
+    snapshot: Snapshot,
+    *,
+    epoch: int | None = None,
+    kind: str = "full",
+    metrics: Mapping[str, Any] | None = None,
+    metadata: Any = None,
+    lineage: str | None = None,
+) -> Manifest:
+    """A manifest for ``snapshot`` (tensor and object tables are filled by the writer)."""
+    validate_run_name(run)
+    validate_step(step)
+    if epoch is not None:
+        validate_step(epoch)
+    return Manifest(
+        run=run,
+        step=step,
+        created=time.time(),
+        epoch=epoch,
+        kind=kind,
+        metrics=encode_metrics(metrics),
+        metadata=encode_metadata(metadata),
+        state=snapshot.state,
+        state_kinds=snapshot.kinds,
+        environment=environment(),
+        lineage=lineage,
+    )
+
+
+def open_store_for_writing(root: Root | Store) -> Store:
+    """The store at ``root``, created with the default settings when absent."""
+    if isinstance(root, Store):
+        return root
+    return Store.open(root, create=True, defaults=DEFAULT_STORE_SETTINGS)
+
+
+def parent_objects(
+    store: Store, run: str, parent_step: int | None, parent: Manifest | None = None
+) -> dict[str, ObjectEntry]:
+    """The object table of ``run@parent_step``: what a save can reuse without asking the
+    store for sizes and codecs. ``parent`` is that manifest when the caller holds it (the
+    manager keeps its last commit); a parent that cannot be read just gives nothing."""
+    if parent_step is None:
+        return {}
+    if parent is not None and parent.run == run and parent.step == parent_step:
+        return parent.objects
+    try:
+        m = parse_manifest(store.read_manifest(run, parent_step), f"{run}@{parent_step}")
+    except StepvaultError:
+        return {}  # damaged or gone: the save asks the store per chunk, as without a parent
+    return m.objects
+
+
+def write_manifest(
+    store: Store,
+    manifest: Manifest,
+    host: dict[str, HostArray],
+    *,
+    codec: str | None = None,
+    overwrite: bool = False,
+    workers: int | None = None,
+    parent: Manifest | None = None,
+) -> SaveInfo:
+    """Write the staged tensors of one checkpoint and commit its manifest.
+
+    The manifest's parent is the run's newest earlier checkpoint; chunks that the parent
+    already names are reused from its object table (one touch each, no size or header
+    lookups).
+    """
+    check_codec(codec)
+    earlier = [s for s in store.list_steps(manifest.run) if s < manifest.step]
+    manifest.parent_step = earlier[-1] if earlier else None
+    store.ensure_run(
+        manifest.run,
+        {"run": manifest.run, "created": manifest.created, "environment": environment()},
+    )
+    stats = write_checkpoint(
+        store,
+        manifest,
+        host,
+        codec=codec or store.settings.get("codec", "raw"),
+        overwrite=overwrite,
+        workers=workers,
+        known=parent_objects(store, manifest.run, manifest.parent_step, parent),
+        after_commit=lambda m, data: record_commit(store, m, data),  # listings find it
+    )
+    return SaveInfo(
+        run=manifest.run,
+        step=manifest.step,
+        epoch=manifest.epoch,
+        logical_bytes=stats.logical_bytes,
+        stored_bytes=stats.stored_bytes,
+        new_bytes=stats.new_bytes,
+        objects=stats.objects,
+        new_objects=stats.new_objects,
+        seconds=stats.seconds,
+        kind=manifest.kind,
+    )
+
+
+def save(
+    root: Root,
+    state: Mapping[str, Any],
+    *,
+    run: str,
+    step: int,
+    epoch: int | None = None,
+    metadata: Any = None,
+    metrics: Mapping[str, Any] | None = None,
+    kind: str = "full",
+    codec: str | None = None,
+    overwrite: bool = False,
+    workers: int | None = None,
+    collective: bool | None = None,
+    lineage: Lineage | None = None,
+    signer: Signer | None = None,
+) -> SaveInfo:
+    """Save ``state`` as checkpoint ``run@step`` in the store at ``root`` (created if absent).
+
+    ``state`` maps names to modules, optimizers, schedulers, any object with
+    ``state_dict()/load_state_dict()``, tensors, numpy arrays and plain values. Everything is
+    checked for safe encodability *before* a byte is written; chunks already in the store
+    are not written again. The checkpoint becomes visible atomically when its manifest is
+    committed; a failed save leaves every earlier checkpoint intact.
+
+    ``kind="weights"`` keeps only the modules of the state (for export or evaluation).
+    ``codec`` overrides the store's setting for this save: ``raw``, ``zstd``, ``float`` or
+    ``auto``. With ``overwrite=True`` an existing checkpoint of the same step is replaced
+    atomically (otherwise :class:`CheckpointExistsError`).
+
+    Under a ``torch.distributed`` process group (or with sharded DTensor state) every rank
+    calls ``save`` with its own shards; each rank writes its part and rank 0 commits once
+    all succeeded (``collective=None`` decides automatically; ``collective=False`` saves a
+    replicated model from one rank and refuses sharded state).
+
+    ``lineage`` (a :class:`stepvault.Lineage`, e.g. ``Lineage.capture(config)``) is stored
+    with the run and linked from the manifest; ``signer`` signs the manifest (default:
+    ``$STEPVAULT_SIGNING_KEY`` when set).
+    """
+    t0 = time.perf_counter()
+    check_codec(codec)
+    validate_run_name(run)
+    target: Root | Store = root
+    lineage_digest = None
+    if lineage is not None or signer is not None:
+        store = open_store_for_writing(root)
+        if signer is not None:
+            store.signer = signer
+        if lineage is not None and current_rank() == 0:
+            lineage_digest = write_lineage(store, run, lineage)
+        target = store
+    if is_collective(state, collective):
+        from ..distributed.api import save_state
+
+        save_state(
+            target,
+            state,
+            run=run,
+            step=step,
+            epoch=epoch,
+            metrics=encode_metrics(metrics),
+            codec=codec,
+            workers=workers,
+            lineage=lineage_digest,
+        )
+        committed = target if isinstance(target, Store) else Store.open(target)
+        m = parse_manifest(committed.read_manifest(run, step), f"{run}@{step}")
+        return SaveInfo.of_manifest(m, time.perf_counter() - t0)
+    snapshot = take_snapshot(state, kind=kind)
+    manifest = new_manifest(
+        run,
+        step,
+        snapshot,
+        epoch=epoch,
+        kind=kind,
+        metrics=metrics,
+        metadata=metadata,
+        lineage=lineage_digest,
+    )
+    host = {name: to_host(value) for name, value in snapshot.arrays.items()}
+    store = open_store_for_writing(target)
+    info = write_manifest(store, manifest, host, codec=codec, overwrite=overwrite, workers=workers)
+    return dataclasses.replace(info, seconds=time.perf_counter() - t0)

@@ -1,0 +1,319 @@
+"""The manager's save pipeline: admit → stage → hand off → commit → after-commit hooks.
+
+Only *stage* runs on the training thread (the snapshot and the copy into reused host
+buffers); the writer thread runs *commit* (hash, encode, write, commit the manifest) and
+then the hooks (retention and GC, the tier mover, the wave-2 additions). Two writers
+implement *stage*/*commit*: :class:`LocalWriter` (this process writes the whole state) and
+:class:`CollectiveWriter` (every rank writes its shards through DCP; rank 0 commits).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.info import SaveInfo
+from ..core.values import encode_metrics
+from ..core.write import new_manifest, write_manifest
+from ..engine import to_host
+from ..engine.background import BackgroundWriter
+from ..engine.staging_area import StagingArea
+from ..format import Manifest, parse_manifest
+from ..policy import SaveDecision
+from ..state.snapshot import take_snapshot, weights_only
+from .session import RunSession
+from .stats import SaveHandle
+
+#: Work after a save is committed, on the writer thread: ``hook(info)``.
+AfterCommit = Callable[[SaveInfo], None]
+
+
+@dataclass
+class Staged:
+    """A save past its training-thread part: the stall it cost and the rest to run."""
+
+    stall: float
+    background: bool
+    #: writes (or waits for) the objects and the commit; returns the info and the extra
+    #: fields of its "save" event
+    commit: Callable[[], tuple[SaveInfo, dict[str, Any]]]
+    started: float = field(default_factory=time.perf_counter)
+
+
+class LocalWriter:
+    """This process snapshots, stages and writes the whole state."""
+
+    waits_for_previous = False  # a busy writer may be skipped (if_busy="skip")
+
+    def __init__(self, session: RunSession, staging: StagingArea) -> None:
+        self.session = session
+        self.staging = staging
+        self._parent: Manifest | None = None  # the last commit: its object table is reused
+
+    def stage(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        decision: SaveDecision,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        metadata: Any,
+        background: bool,
+    ) -> Staged | None:
+        s = self.session
+        t0 = time.perf_counter()
+        try:
+            s.scope.check_state(state)
+            snapshot = take_snapshot(state, kind=decision.kind)
+            manifest = new_manifest(
+                s.run,
+                step,
+                snapshot,
+                epoch=epoch,
+                kind=decision.kind,
+                metrics=metrics,
+                metadata=metadata,
+                lineage=s.lineage_ref(),
+            )
+            if background:
+                host = self.staging.stage(snapshot.arrays)
+            else:
+                host = {name: to_host(value) for name, value in snapshot.arrays.items()}
+        except BaseException as exc:
+            s.failed(step, exc)
+            raise
+
+        def commit() -> tuple[SaveInfo, dict[str, Any]]:
+            try:
+                info = write_manifest(
+                    s.store,
+                    manifest,
+                    host,
+                    codec=s.options.codec,
+                    overwrite=True,
+                    workers=s.options.workers,
+                    parent=self._parent,
+                )
+            except BaseException as exc:
+                s.failed(step, exc)
+                raise
+            self._parent = manifest
+            rate = info.throughput if math.isfinite(info.throughput) else None
+            return info, {"throughput_bytes_per_s": rate}
+
+        return Staged(time.perf_counter() - t0, background, commit, started=t0)
+
+    def close(self) -> None:
+        self.staging.release()
+
+
+class CollectiveWriter:
+    """Every rank writes its shards (DCP); rank 0 commits, logs and applies retention.
+
+    With ``async_save`` the training thread only stages each rank's shards into reused CPU
+    buffers; the write and commit run in the background (DCP ``async_save`` on a dedicated
+    gloo group). Every rank waits for the previous save before starting the next, so a
+    failure surfaces on all ranks at the same call.
+    """
+
+    waits_for_previous = True
+
+    def __init__(self, session: RunSession, async_save: bool) -> None:
+        self.session = session
+        self.async_saver = None
+        if async_save:
+            from ..distributed.api import AsyncSaver
+
+            self.async_saver = AsyncSaver()  # collective: every rank builds its manager
+
+    def stage(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        decision: SaveDecision,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        metadata: Any,
+        background: bool,
+    ) -> Staged | None:
+        s = self.session
+        background = background and self.async_saver is not None
+        t0 = time.perf_counter()
+        part = weights_only(state) if decision.kind == "weights" else state
+        args: dict[str, Any] = dict(
+            run=s.run,
+            step=step,
+            epoch=epoch,
+            metrics=encode_metrics(metrics),
+            codec=s.options.codec,
+            workers=s.options.workers,
+            lineage=s.lineage_ref() if s.scope.coordinator else None,
+        )
+        try:
+            if background:
+                assert self.async_saver is not None
+                future = self.async_saver.save(s.store, part, **args)
+            else:
+                from ..distributed.api import save_state
+
+                save_state(s.store, part, **args)
+        except BaseException as exc:
+            s.failed(step, exc)
+            s.raise_or_warn(exc)
+            return None
+        stall = time.perf_counter() - t0
+
+        def commit() -> tuple[SaveInfo, dict[str, Any]]:
+            if background:
+                try:
+                    future.result()
+                except BaseException as exc:
+                    s.failed(step, exc)
+                    raise
+            m = parse_manifest(s.store.read_manifest(s.run, step), f"{s.run}@{step}")
+            info = SaveInfo.of_manifest(m, time.perf_counter() - t0, decision.kind)
+            return info, {"world_size": torch.distributed.get_world_size()}
+
+        return Staged(stall, background, commit, started=t0)
+
+    def close(self) -> None:
+        if self.async_saver is not None:
+            self.async_saver.close()
+
+
+Writer = LocalWriter | CollectiveWriter
+
+
+class SavePipeline:
+    """Runs one due save through the writer and the background thread, then the hooks."""
+
+    def __init__(
+        self,
+        session: RunSession,
+        writer: Writer,
+        background: BackgroundWriter | None,
+        hooks: list[AfterCommit],
+    ) -> None:
+        self.session = session
+        self.writer = writer
+        self.bg = background
+        self.hooks = hooks
+
+    def wait(self) -> SaveInfo | None:
+        """Block until the save in flight (if any) is committed; its error is raised (or
+        warned, with ``on_save_error="warn"``)."""
+        try:
+            return self.bg.wait() if self.bg is not None else None
+        except BaseException as exc:
+            self.session.raise_or_warn(exc)
+            return None
+
+    def _admit(self, step: int, background: bool) -> bool:
+        """Whether this save may start now (waiting for the one in flight if need be)."""
+        if self.writer.waits_for_previous:
+            self.wait()  # all ranks: the previous save is committed (or failed) first
+        elif self.bg is not None and self.bg.busy:
+            if background and self.session.options.if_busy == "skip":
+                with self.session.stats.lock:
+                    self.session.stats.skipped_busy += 1
+                self.session.event(
+                    "save_skipped", step=step, reason="previous save still in flight"
+                )
+                return False
+            self.wait()  # raises the previous save's error, if any
+        return True
+
+    def run(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        decision: SaveDecision,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        metadata: Any,
+    ) -> SaveHandle | None:
+        """Start the save ``decision`` asked for; None when it was skipped or failed (and
+        the failure only warned)."""
+        background = self.bg is not None and not decision.urgent
+        if not self._admit(step, background):
+            return None
+        staged = self.writer.stage(
+            step,
+            state,
+            decision,
+            epoch=epoch,
+            metrics=metrics,
+            metadata=metadata,
+            background=background,
+        )
+        if staged is None:
+            return None
+        handle = SaveHandle(step, decision.kind, decision.reason, staged.stall, staged.background)
+
+        def job() -> SaveInfo:
+            info, fields = staged.commit()
+            self._committed(info, decision, staged, fields)
+            return info
+
+        if staged.background:
+            assert self.bg is not None  # a background stage needs the writer thread
+            handle._future = self.bg.submit(job)
+            return handle
+        try:
+            handle._info = job()
+        except BaseException as exc:
+            self.session.raise_or_warn(exc)
+            return None
+        finally:
+            self.session.scope.barrier()  # every rank sees the same store after the save
+        # A synchronous save stalls training for all of it, write included.
+        handle.stall_seconds = time.perf_counter() - staged.started
+        with self.session.stats.lock:
+            self.session.stats.stalls[-1] = handle.stall_seconds
+        return handle
+
+    def _committed(
+        self, info: SaveInfo, decision: SaveDecision, staged: Staged, fields: dict[str, Any]
+    ) -> None:
+        """Bookkeeping after a commit (writer thread): counters, metrics, event, hooks."""
+        s = self.session
+        s.stats.saved(info, staged.stall)
+        s.forget(info.step)  # re-read (with its manifest id) when needed
+        if s.metrics:
+            s.metrics.saved(
+                info.kind, staged.stall, info.seconds, info.new_bytes, info.logical_bytes, info.step
+            )
+        s.event(
+            "save",
+            step=info.step,
+            kind=info.kind,
+            reason=decision.reason,
+            asynchronous=staged.background,
+            logical_bytes=info.logical_bytes,
+            stored_bytes=info.stored_bytes,
+            new_bytes=info.new_bytes,
+            stall_seconds=staged.stall,
+            write_seconds=info.seconds,
+            **fields,
+        )
+        for hook in self.hooks:
+            hook(info)
+
+    def close(self) -> BaseException | None:
+        """Wait for the save in flight and stop the writer thread; the save's error."""
+        error: BaseException | None = None
+        if self.bg is not None:
+            try:
+                self.wait()
+            except BaseException as exc:
+                error = exc
+            self.bg.shutdown()
+        return error

@@ -1,0 +1,115 @@
+"""Local or collective: the one place where the manager differs between a single process
+(or a rank-local manager under a process group) and every rank saving together.
+
+The strategy is chosen once, when the manager is made; the rest of the manager asks it
+instead of branching on the process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..core.scope import is_collective
+from ..distributed.state import distributed_active
+from ..errors import StepvaultError
+from ..policy import SaveDecision, merge_decisions
+from ..store import Store
+from ..store.lease import Lease, LeaseHeldError, acquire_lease
+
+
+class LocalScope:
+    """One process decides, writes, commits and logs. ``rank_local``: a manager on one
+    rank of a process group (trainers that save a replicated model from rank 0)."""
+
+    collective = False
+    rank = 0
+    coordinator = True
+
+    def __init__(self, rank_local: bool = False) -> None:
+        self.rank_local = rank_local
+
+    def acquire_lease(self, store: Store, run: str, stale_after: float) -> Lease | None:
+        return acquire_lease(store, run, stale_after=stale_after)
+
+    def agree(self, decision: SaveDecision | None) -> SaveDecision | None:
+        return decision
+
+    def share(self, value: Any) -> Any:
+        return value
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        if self.rank_local:
+            is_collective(state, False)  # refuses sharded DTensor state with a clear error
+
+    def check_restore(self, run: str, step: int) -> None:
+        """A rank-local manager cannot read a checkpoint written by several ranks."""
+        if self.rank_local and distributed_active():
+            raise StepvaultError(
+                f"{run}@{step} was saved by several ranks: restore it on every rank with a "
+                "collective manager (collective=None)"
+            )
+
+    def barrier(self) -> None:
+        pass
+
+
+class CollectiveScope:
+    """Every rank has a manager and saves its shards; rank 0 holds the lease, logs events
+    and applies retention; decisions and restore candidates are rank 0's (or merged)."""
+
+    collective = True
+    rank_local = False
+
+    def __init__(self) -> None:
+        self.rank = torch.distributed.get_rank()
+        self.coordinator = self.rank == 0
+
+    def acquire_lease(self, store: Store, run: str, stale_after: float) -> Lease | None:
+        lease, error = None, None
+        if self.coordinator:
+            try:
+                lease = acquire_lease(store, run, stale_after=stale_after)
+            except StepvaultError as exc:
+                error = str(exc)
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        if box[0] is not None:  # every rank fails together, none hangs later
+            raise LeaseHeldError(box[0])
+        return lease
+
+    def agree(self, decision: SaveDecision | None) -> SaveDecision | None:
+        """Every rank takes the same decision (clocks and signals differ between ranks)."""
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, decision)
+        return merge_decisions([d for d in everyone if d is not None])
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (e.g. the restore candidates)."""
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def check_restore(self, run: str, step: int) -> None:
+        pass
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+
+Scope = LocalScope | CollectiveScope
+
+
+def choose_scope(collective: bool | None) -> Scope:
+    """``collective=None``: collective under an initialised process group; ``False``:
+    rank-local; ``True``: collective (needs a process group)."""
+    if collective and not distributed_active():
+        raise ValueError("collective=True needs an initialised torch.distributed group")
+    if distributed_active() if collective is None else collective:
+        return CollectiveScope()
+    return LocalScope(rank_local=collective is False)
