@@ -23,7 +23,15 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Literal
 
-from .base import CheckpointRecord, KeepPolicy, RetentionEntry, RetentionPlan
+from .base import (
+    CheckpointRecord,
+    KeepAny,
+    KeepPolicy,
+    RetentionEntry,
+    RetentionPlan,
+    _Rule,
+    tracked_metrics,
+)
 
 __all__ = [
     "DAMAGED_REASON",
@@ -121,82 +129,7 @@ def _ranked_by_metric(
     return [r for _, r in scored]
 
 
-def tracked_metrics(policy: KeepPolicy | None) -> tuple[tuple[str, str], ...]:
-    """The ``(metric, mode)`` pairs a policy ranks by: those of every :class:`KeepBest`
-    in it, found through :class:`KeepAny`. A custom rule takes part by defining a
-    ``tracked_metrics()`` method that returns such pairs."""
-    method = getattr(policy, "tracked_metrics", None)
-    if method is None:
-        return ()
-    return tuple(dict.fromkeys((str(m), str(mode)) for m, mode in method()))
-
-
 # --------------------------------------------------------------------------- rules
-
-
-class _Rule(KeepPolicy):
-    """Value semantics for the stateless rules: equal configuration, equal rule."""
-
-    def _key(self) -> tuple[object, ...]:
-        raise NotImplementedError
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        assert isinstance(other, _Rule)
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self._key()))
-
-
-class KeepAny(_Rule):
-    """Keep what any member rule keeps; ``a | b | c`` builds one flat ``KeepAny``.
-
-    A checkpoint kept by several members gets all their reasons, ``"; "``-joined in
-    member order.
-    """
-
-    def __init__(self, *policies: KeepPolicy) -> None:
-        flat: list[KeepPolicy] = []
-        for policy in policies:
-            if not isinstance(policy, KeepPolicy):
-                raise TypeError(f"KeepAny members must be KeepPolicy objects, got {policy!r}")
-            members = policy.policies if isinstance(policy, KeepAny) else (policy,)
-            for member in members:
-                if member not in flat:
-                    flat.append(member)
-        if not flat:
-            raise ValueError("KeepAny() needs at least one policy")
-        self._policies: tuple[KeepPolicy, ...] = tuple(flat)
-
-    @property
-    def policies(self) -> tuple[KeepPolicy, ...]:
-        """The member rules, flattened, in the order given."""
-        return self._policies
-
-    def select(self, records: list[CheckpointRecord], now: float) -> dict[int, str]:
-        reasons: dict[int, list[str]] = {}
-        for policy in self._policies:
-            for step, reason in policy.select(records, now).items():
-                found = reasons.setdefault(step, [])
-                if reason not in found:
-                    found.append(reason)
-        return {step: "; ".join(found) for step, found in sorted(reasons.items())}
-
-    def tracked_metrics(self) -> tuple[tuple[str, str], ...]:
-        pairs: list[tuple[str, str]] = []
-        for policy in self._policies:
-            pairs.extend(tracked_metrics(policy))
-        return tuple(dict.fromkeys(pairs))
-
-    def _key(self) -> tuple[object, ...]:
-        return self._policies
-
-    def __repr__(self) -> str:
-        if len(self._policies) == 1:
-            return f"KeepAny({self._policies[0]!r})"
-        return " | ".join(repr(p) for p in self._policies)
 
 
 class KeepLast(_Rule):

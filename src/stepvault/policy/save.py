@@ -19,11 +19,10 @@ import math
 import numbers
 import signal
 import threading
-from collections.abc import Sequence
 from types import FrameType
 from typing import Literal
 
-from .base import SaveContext, SaveDecision, SavePolicy
+from .base import AnyOf, SaveContext, SaveDecision, SavePolicy, merge_decisions
 
 __all__ = [
     "AnyOf",
@@ -80,93 +79,6 @@ def _plural(value: float, unit: str) -> str:
 
 def _kind_suffix(what: str) -> str:
     return "" if what == "full" else f", what={what!r}"
-
-
-def merge_decisions(decisions: Sequence[SaveDecision]) -> SaveDecision | None:
-    """Fold several rules' decisions for one step boundary into the strongest one.
-
-    One save satisfies every rule that fired, so the merged save must be at least as
-    strong as each of them: urgent if any is urgent, ``"full"`` if any wants the full
-    state, every reason kept (``"; "``-joined, in the order given, duplicates dropped).
-    The exit code comes from the first urgent decision that has one (an urgent save is
-    the one that is about preemption); with no urgent decision, from the first that has
-    one. Returns None for an empty sequence.
-    """
-    if not decisions:
-        return None
-    if len(decisions) == 1:
-        return decisions[0]
-    urgent = [d for d in decisions if d.urgent]
-    kind = "full" if any(d.kind == "full" for d in decisions) else decisions[0].kind
-    reasons = list(dict.fromkeys(d.reason for d in decisions if d.reason))
-    exit_from = urgent or decisions
-    exit_code = next((d.exit_code for d in exit_from if d.exit_code is not None), None)
-    return SaveDecision(
-        kind=kind, reason="; ".join(reasons), urgent=bool(urgent), exit_code=exit_code
-    )
-
-
-# --------------------------------------------------------------------------- composition
-
-
-class AnyOf(SavePolicy):
-    """Save when any member rule wants to; ``a | b | c`` builds one flat ``AnyOf``.
-
-    Every member is asked at every step boundary (no short-circuit), because stateful
-    rules (timers, first-step, signals) must see each step to keep their state right.
-    The answers are merged by :func:`merge_decisions`. :meth:`saved`, :meth:`install`
-    and :meth:`uninstall` are passed to every member.
-    """
-
-    def __init__(self, *policies: SavePolicy) -> None:
-        flat: list[SavePolicy] = []
-        for policy in policies:
-            if not isinstance(policy, SavePolicy):
-                raise TypeError(f"AnyOf members must be SavePolicy objects, got {policy!r}")
-            members = policy.policies if isinstance(policy, AnyOf) else (policy,)
-            for member in members:
-                # The same stateful object twice would be asked twice per step and
-                # e.g. a FirstStep would answer differently the second time.
-                if not any(member is seen for seen in flat):
-                    flat.append(member)
-        if not flat:
-            raise ValueError("AnyOf() needs at least one policy")
-        self._policies: tuple[SavePolicy, ...] = tuple(flat)
-
-    @property
-    def policies(self) -> tuple[SavePolicy, ...]:
-        """The member rules, flattened, in the order given."""
-        return self._policies
-
-    def decide(self, ctx: SaveContext) -> SaveDecision | None:
-        # A list, not a generator fed to any(): every member must run.
-        answers = [policy.decide(ctx) for policy in self._policies]
-        return merge_decisions([a for a in answers if a is not None])
-
-    def saved(self, ctx: SaveContext, decision: SaveDecision) -> None:
-        for policy in self._policies:
-            policy.saved(ctx, decision)
-
-    def install(self) -> None:
-        done: list[SavePolicy] = []
-        try:
-            for policy in self._policies:
-                policy.install()
-                done.append(policy)
-        except BaseException:
-            # Leave no half-installed signal handlers behind.
-            for policy in reversed(done):
-                policy.uninstall()
-            raise
-
-    def uninstall(self) -> None:
-        for policy in reversed(self._policies):
-            policy.uninstall()
-
-    def __repr__(self) -> str:
-        if len(self._policies) == 1:
-            return f"AnyOf({self._policies[0]!r})"
-        return " | ".join(repr(p) for p in self._policies)
 
 
 # --------------------------------------------------------------------------- intervals
