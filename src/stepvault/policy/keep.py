@@ -32,6 +32,7 @@ from .base import (
     _Rule,
     tracked_metrics,
 )
+from .validate import exactly_one, num, positive_int, positive_seconds
 
 __all__ = [
     "DAMAGED_REASON",
@@ -62,31 +63,6 @@ DAMAGED_REASON = "damaged (valid=False) and not pinned"
 # --------------------------------------------------------------------------- helpers
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _seconds(name: str, value: timedelta | float) -> float:
-    """A positive duration given as a timedelta or a number of seconds."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise ValueError(f"{name} must be a timedelta or seconds, got {value!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be a positive duration, got {value!r}")
-    return seconds
-
-
-def _num(value: float) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return repr(value) if isinstance(value, float) else str(value)
-
-
 _UNITS: tuple[tuple[str, float], ...] = (
     ("day", 86400.0),
     ("hour", 3600.0),
@@ -101,7 +77,7 @@ def _duration(seconds: float) -> str:
         count = seconds / size
         if count >= 1 and count.is_integer():
             return f"{int(count)} {unit}" + ("" if count == 1 else "s")
-    return f"{_num(seconds)} seconds"
+    return f"{num(seconds)} seconds"
 
 
 def _timedelta_repr(seconds: float) -> str:
@@ -140,7 +116,7 @@ class KeepLast(_Rule):
     """
 
     def __init__(self, n: int, *, kind: str | None = None) -> None:
-        self._n = _check_positive_int("KeepLast(n)", n)
+        self._n = positive_int("KeepLast(n)", n)
         if kind is not None and not isinstance(kind, str):
             raise ValueError(f"kind= must be a string or None, got {kind!r}")
         self._kind = kind
@@ -178,7 +154,7 @@ class KeepBest(_Rule):
     """
 
     def __init__(self, n: int, metric: str, mode: Mode = "min") -> None:
-        self._n = _check_positive_int("KeepBest(n)", n)
+        self._n = positive_int("KeepBest(n)", n)
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"KeepBest metric must be a non-empty string, got {metric!r}")
         if mode not in ("min", "max"):
@@ -218,7 +194,7 @@ class KeepEvery(_Rule):
     through the whole run, e.g. for later analysis of training dynamics)."""
 
     def __init__(self, *, steps: int) -> None:
-        self._steps = _check_positive_int("KeepEvery(steps=)", steps)
+        self._steps = positive_int("KeepEvery(steps=)", steps)
 
     @property
     def steps(self) -> int:
@@ -249,16 +225,7 @@ class KeepWithin(_Rule):
         hours: float | None = None,
         days: float | None = None,
     ) -> None:
-        given = {
-            unit: value
-            for unit, value in (
-                ("seconds", seconds),
-                ("minutes", minutes),
-                ("hours", hours),
-                ("days", days),
-            )
-            if value is not None
-        }
+        given = exactly_one(seconds=seconds, minutes=minutes, hours=hours, days=days)
         if len(given) != 1:
             got = ", ".join(f"{k}=" for k in given) if given else "none"
             raise ValueError(
@@ -267,7 +234,7 @@ class KeepWithin(_Rule):
         ((unit, value),) = given.items()
         scale = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}[unit]
         self._unit = unit
-        self._value = _seconds(f"KeepWithin({unit}=)", value)
+        self._value = positive_seconds(f"KeepWithin({unit}=)", value)
         self._window = self._value * scale
 
     @property
@@ -277,14 +244,14 @@ class KeepWithin(_Rule):
     def select(self, records: list[CheckpointRecord], now: float) -> dict[int, str]:
         cutoff = now - self._window
         plural = "" if self._value == 1 else "s"
-        reason = f"within {_num(self._value)} {self._unit[:-1]}{plural}"
+        reason = f"within {num(self._value)} {self._unit[:-1]}{plural}"
         return {r.step: reason for r in records if r.valid and r.created >= cutoff}
 
     def _key(self) -> tuple[object, ...]:
         return (self._window,)
 
     def __repr__(self) -> str:
-        return f"KeepWithin({self._unit}={_num(self._value)})"
+        return f"KeepWithin({self._unit}={num(self._value)})"
 
 
 class KeepPeriodic(_Rule):
@@ -300,8 +267,8 @@ class KeepPeriodic(_Rule):
     """
 
     def __init__(self, every: timedelta | float, within: timedelta | float | None = None) -> None:
-        self._every = _seconds("KeepPeriodic(every=)", every)
-        self._within = None if within is None else _seconds("KeepPeriodic(within=)", within)
+        self._every = positive_seconds("KeepPeriodic(every=)", every)
+        self._within = None if within is None else positive_seconds("KeepPeriodic(within=)", within)
 
     @property
     def every_seconds(self) -> float:

@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Literal
 
 from .base import AnyOf, SaveContext, SaveDecision, SavePolicy, merge_decisions
+from .validate import exactly_one, non_negative_real, num, positive_int, positive_real
 
 __all__ = [
     "AnyOf",
@@ -48,33 +49,8 @@ def _check_kind(what: str) -> str:
     return what
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    # bool is an int subclass; Every(steps=True) is a bug, not "every step".
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}= must be a positive integer, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name}= must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _check_positive_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name}= must be a positive number, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{name}= must be a positive finite number, got {value!r}")
-    return number
-
-
-def _num(value: float) -> str:
-    """A number as people write it: ``1000``, ``0.5``, ``30`` (not ``30.0``)."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return repr(value) if isinstance(value, float) else str(value)
-
-
 def _plural(value: float, unit: str) -> str:
-    return f"{_num(value)} {unit}" + ("" if value == 1 else "s")
+    return f"{num(value)} {unit}" + ("" if value == 1 else "s")
 
 
 def _kind_suffix(what: str) -> str:
@@ -144,17 +120,9 @@ class Every(SavePolicy):
         *,
         what: SaveKind = "full",
     ) -> None:
-        given = {
-            name: value
-            for name, value in (
-                ("steps", steps),
-                ("epochs", epochs),
-                ("seconds", seconds),
-                ("minutes", minutes),
-                ("hours", hours),
-            )
-            if value is not None
-        }
+        given = exactly_one(
+            steps=steps, epochs=epochs, seconds=seconds, minutes=minutes, hours=hours
+        )
         if len(given) != 1:
             got = ", ".join(f"{k}=" for k in given) if given else "none"
             raise ValueError(
@@ -164,9 +132,9 @@ class Every(SavePolicy):
             )
         ((unit, value),) = given.items()
         if unit in ("steps", "epochs"):
-            self._value: float = _check_positive_int(unit, value)
+            self._value: float = positive_int(f"{unit}=", value)
         else:
-            self._value = _check_positive_real(unit, value)
+            self._value = positive_real(f"{unit}=", value)
         self._unit = unit
         self._what = _check_kind(what)
         self._timer = _Timer()
@@ -225,7 +193,7 @@ class Every(SavePolicy):
             self._timer.rearm(ctx.now)
 
     def __repr__(self) -> str:
-        return f"Every({self._unit}={_num(self._value)}{_kind_suffix(self._what)})"
+        return f"Every({self._unit}={num(self._value)}{_kind_suffix(self._what)})"
 
 
 class AtSteps(SavePolicy):
@@ -536,14 +504,10 @@ class YoungDaly(SavePolicy):
         max_seconds: float | None = None,
         what: SaveKind = "full",
     ) -> None:
-        self._mtbf_hours = _check_positive_real("mtbf_hours", mtbf_hours)
-        if isinstance(min_seconds, bool) or not isinstance(min_seconds, numbers.Real):
-            raise ValueError(f"min_seconds= must be a number >= 0, got {min_seconds!r}")
-        if not math.isfinite(min_seconds) or min_seconds < 0:
-            raise ValueError(f"min_seconds= must be a finite number >= 0, got {min_seconds!r}")
-        self._min_seconds = float(min_seconds)
+        self._mtbf_hours = positive_real("mtbf_hours=", mtbf_hours)
+        self._min_seconds = non_negative_real("min_seconds=", min_seconds)
         if max_seconds is not None:
-            max_value = _check_positive_real("max_seconds", max_seconds)
+            max_value = positive_real("max_seconds=", max_seconds)
             if max_value < self._min_seconds:
                 raise ValueError(
                     f"max_seconds= ({max_seconds!r}) must be >= min_seconds= ({min_seconds!r})"
@@ -587,18 +551,18 @@ class YoungDaly(SavePolicy):
             cost = "save cost not measured yet"
         else:
             cost = f"save cost {ctx.save_cost:.3g} s"
-        reason = f"Young/Daly interval {interval:.0f} s ({cost}, MTBF {_num(self._mtbf_hours)} h)"
+        reason = f"Young/Daly interval {interval:.0f} s ({cost}, MTBF {num(self._mtbf_hours)} h)"
         return SaveDecision(kind=self._what, reason=reason)
 
     def saved(self, ctx: SaveContext, decision: SaveDecision) -> None:
         self._timer.rearm(ctx.now)
 
     def __repr__(self) -> str:
-        parts = [_num(self._mtbf_hours)]
+        parts = [num(self._mtbf_hours)]
         if self._min_seconds != 60:
-            parts.append(f"min_seconds={_num(self._min_seconds)}")
+            parts.append(f"min_seconds={num(self._min_seconds)}")
         if self._max_seconds is not None:
-            parts.append(f"max_seconds={_num(self._max_seconds)}")
+            parts.append(f"max_seconds={num(self._max_seconds)}")
         if self._what != "full":
             parts.append(f"what={self._what!r}")
         return f"YoungDaly({', '.join(parts)})"
