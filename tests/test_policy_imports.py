@@ -48,7 +48,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_the_package_has_the_modules_this_test_checks():
-    assert {"base", "keep", "save", "validate"} <= set(MODULES)
+    assert {"base", "keep", "save", "tier", "validate"} <= set(MODULES)
 
 
 def test_no_import_circle_inside_policy_even_in_function_bodies():

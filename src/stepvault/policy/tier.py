@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ..policy import CheckpointRecord
-from ..policy.validate import exactly_one, num, positive_int, seconds_in
+from .base import CheckpointRecord, flatten_union
+from .validate import exactly_one, num, positive_int, seconds_in
 
 __all__ = [
     "ArchiveProtected",
@@ -112,16 +112,7 @@ class TierAny(TierPolicy):
     """The union of its members: ``a | b | c`` builds one flat TierAny."""
 
     def __init__(self, *policies: TierPolicy) -> None:
-        flat: list[TierPolicy] = []
-        for p in policies:
-            if not isinstance(p, TierPolicy):
-                raise TypeError(f"TierAny members must be TierPolicy objects, got {p!r}")
-            for member in p.policies if isinstance(p, TierAny) else (p,):
-                if member not in flat:
-                    flat.append(member)
-        if not flat:
-            raise ValueError("TierAny() needs at least one policy")
-        self.policies = tuple(flat)
+        self.policies: tuple[TierPolicy, ...] = flatten_union(policies, TierPolicy, TierAny)
 
     def place(self, records, now, holdings) -> Placement:
         out = Placement()
