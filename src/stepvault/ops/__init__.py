@@ -20,8 +20,8 @@ _LAZY = {
     "quantize_int8": ".export",
     "GCResult": ".gc",
     "collect_garbage": ".gc",
-    "UntrustedInputError": ".importing",
-    "import_dcp": ".importing",
+    "UntrustedInputError": ".migrate",
+    "import_dcp": ".migrate",
     "ImportReport": ".migrate",
     "import_checkpoint": ".migrate",
     "import_checkpoints": ".migrate",
@@ -36,8 +36,13 @@ __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 if TYPE_CHECKING:
     from .export import ExportReport, dequantize_int8, export_weights, quantize_int8
     from .gc import GCResult, collect_garbage
-    from .importing import UntrustedInputError, import_dcp
-    from .migrate import ImportReport, import_checkpoint, import_checkpoints
+    from .migrate import (
+        ImportReport,
+        UntrustedInputError,
+        import_checkpoint,
+        import_checkpoints,
+        import_dcp,
+    )
     from .repair import RepairReport, repair_store
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Policies as data: when to save (:mod:`.save`) and what to keep (:mod:`.keep`).
+"""Policies as data: when to save (:mod:`.save`), what to keep (:mod:`.keep`) and on which
+storage tier (:mod:`.tier`, also exported by :mod:`stepvault.tiers`).
 
 Small objects that print as the expression that built them, compose with ``|`` and can
 be tested and dry-run on their own (design principle 7)::
@@ -7,6 +8,7 @@ be tested and dry-run on their own (design principle 7)::
 
     save_policy = Every(steps=1000) | Every(minutes=30) | OnSignal()
     keep_policy = KeepLast(3) | KeepBest(2, "val_loss")
+    tier_policy = HotLast(3) | CopyEvery("archive", steps=5)
 """
 
 from .base import (
@@ -39,13 +41,26 @@ from .save import (
     YoungDaly,
     merge_decisions,
 )
+from .tier import (
+    ArchiveProtected,
+    CopyEvery,
+    HotLast,
+    MoveAfter,
+    TierAny,
+    TierPlan,
+    TierPolicy,
+    plan_tiers,
+)
 
 __all__ = [
     "AnyOf",
+    "ArchiveProtected",
     "AtSteps",
     "CheckpointRecord",
+    "CopyEvery",
     "Every",
     "FirstStep",
+    "HotLast",
     "KeepAny",
     "KeepBest",
     "KeepEvery",
@@ -55,14 +70,19 @@ __all__ = [
     "KeepPolicy",
     "KeepWithin",
     "LastStep",
+    "MoveAfter",
     "OnSignal",
     "RetentionEntry",
     "RetentionPlan",
     "SaveContext",
     "SaveDecision",
     "SavePolicy",
+    "TierAny",
+    "TierPlan",
+    "TierPolicy",
     "YoungDaly",
     "merge_decisions",
     "plan_retention",
+    "plan_tiers",
     "tracked_metrics",
 ]

@@ -1,12 +1,47 @@
 """Policy interfaces: when to save, what to keep. Policies are data, not code paths: small
-objects that print, compose with ``|``, and are tested and dry-run on their own."""
+objects that print, compose with ``|``, and are tested and dry-run on their own.
+
+Each interface lives here together with the union its ``|`` builds (:class:`AnyOf` for
+save rules, :class:`KeepAny` for keep rules): ``a | b`` must construct the union, and
+keeping both in one module is what lets :mod:`.save` and :mod:`.keep` import this module
+without it importing them back (no import circle). They re-export the unions.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..format.record import CheckpointRecord
+
+P = TypeVar("P")
+
+
+def flatten_union(
+    policies: Sequence[object],
+    member: type[P],
+    union: type,
+    *,
+    by_identity: bool = False,
+) -> tuple[P, ...]:
+    """The members of a ``|`` union, flattened (a nested union gives its members), in the
+    order given, each once (by identity or by equality); a clear error for a member of the
+    wrong type or for an empty union."""
+    flat: list[P] = []
+    for policy in policies:
+        if not isinstance(policy, member):
+            raise TypeError(
+                f"{union.__name__} members must be {member.__name__} objects, got {policy!r}"
+            )
+        nested = isinstance(policy, union)
+        for item in cast(Any, policy).policies if nested else (policy,):
+            seen = any(item is s for s in flat) if by_identity else item in flat
+            if not seen:
+                flat.append(item)
+    if not flat:
+        raise ValueError(f"{union.__name__}() needs at least one policy")
+    return tuple(flat)
 
 
 @dataclass(frozen=True)
@@ -52,9 +87,87 @@ class SavePolicy:
         """Undo :meth:`install`."""
 
     def __or__(self, other: SavePolicy) -> SavePolicy:
-        from .save import AnyOf
-
         return AnyOf(self, other)
+
+
+def merge_decisions(decisions: Sequence[SaveDecision]) -> SaveDecision | None:
+    """Fold several rules' decisions for one step boundary into the strongest one.
+
+    One save satisfies every rule that fired, so the merged save must be at least as
+    strong as each of them: urgent if any is urgent, ``"full"`` if any wants the full
+    state, every reason kept (``"; "``-joined, in the order given, duplicates dropped).
+    The exit code comes from the first urgent decision that has one (an urgent save is
+    the one that is about preemption); with no urgent decision, from the first that has
+    one. Returns None for an empty sequence.
+    """
+    if not decisions:
+        return None
+    if len(decisions) == 1:
+        return decisions[0]
+    urgent = [d for d in decisions if d.urgent]
+    kind = "full" if any(d.kind == "full" for d in decisions) else decisions[0].kind
+    reasons = list(dict.fromkeys(d.reason for d in decisions if d.reason))
+    exit_from = urgent or decisions
+    exit_code = next((d.exit_code for d in exit_from if d.exit_code is not None), None)
+    return SaveDecision(
+        kind=kind, reason="; ".join(reasons), urgent=bool(urgent), exit_code=exit_code
+    )
+
+
+# --------------------------------------------------------------------------- composition
+
+
+class AnyOf(SavePolicy):
+    """Save when any member rule wants to; ``a | b | c`` builds one flat ``AnyOf``.
+
+    Every member is asked at every step boundary (no short-circuit), because stateful
+    rules (timers, first-step, signals) must see each step to keep their state right.
+    The answers are merged by :func:`merge_decisions`. :meth:`saved`, :meth:`install`
+    and :meth:`uninstall` are passed to every member.
+    """
+
+    def __init__(self, *policies: SavePolicy) -> None:
+        # The same stateful object twice would be asked twice per step and e.g. a
+        # FirstStep would answer differently the second time: members are told apart by
+        # identity.
+        self._policies: tuple[SavePolicy, ...] = flatten_union(
+            policies, SavePolicy, AnyOf, by_identity=True
+        )
+
+    @property
+    def policies(self) -> tuple[SavePolicy, ...]:
+        """The member rules, flattened, in the order given."""
+        return self._policies
+
+    def decide(self, ctx: SaveContext) -> SaveDecision | None:
+        # A list, not a generator fed to any(): every member must run.
+        answers = [policy.decide(ctx) for policy in self._policies]
+        return merge_decisions([a for a in answers if a is not None])
+
+    def saved(self, ctx: SaveContext, decision: SaveDecision) -> None:
+        for policy in self._policies:
+            policy.saved(ctx, decision)
+
+    def install(self) -> None:
+        done: list[SavePolicy] = []
+        try:
+            for policy in self._policies:
+                policy.install()
+                done.append(policy)
+        except BaseException:
+            # Leave no half-installed signal handlers behind.
+            for policy in reversed(done):
+                policy.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        for policy in reversed(self._policies):
+            policy.uninstall()
+
+    def __repr__(self) -> str:
+        if len(self._policies) == 1:
+            return f"AnyOf({self._policies[0]!r})"
+        return " | ".join(repr(p) for p in self._policies)
 
 
 @dataclass
@@ -100,6 +213,70 @@ class KeepPolicy:
         raise NotImplementedError
 
     def __or__(self, other: KeepPolicy) -> KeepPolicy:
-        from .keep import KeepAny
-
         return KeepAny(self, other)
+
+
+def tracked_metrics(policy: KeepPolicy | None) -> tuple[tuple[str, str], ...]:
+    """The ``(metric, mode)`` pairs a policy ranks by: those of every :class:`KeepBest`
+    in it, found through :class:`KeepAny`. A custom rule takes part by defining a
+    ``tracked_metrics()`` method that returns such pairs."""
+    method = getattr(policy, "tracked_metrics", None)
+    if method is None:
+        return ()
+    return tuple(dict.fromkeys((str(m), str(mode)) for m, mode in method()))
+
+
+class _Rule(KeepPolicy):
+    """Value semantics for the stateless rules: equal configuration, equal rule."""
+
+    def _key(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _Rule)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._key()))
+
+
+class KeepAny(_Rule):
+    """Keep what any member rule keeps; ``a | b | c`` builds one flat ``KeepAny``.
+
+    A checkpoint kept by several members gets all their reasons, ``"; "``-joined in
+    member order.
+    """
+
+    def __init__(self, *policies: KeepPolicy) -> None:
+        # Keep rules are stateless values: an equal rule twice is one rule.
+        self._policies: tuple[KeepPolicy, ...] = flatten_union(policies, KeepPolicy, KeepAny)
+
+    @property
+    def policies(self) -> tuple[KeepPolicy, ...]:
+        """The member rules, flattened, in the order given."""
+        return self._policies
+
+    def select(self, records: list[CheckpointRecord], now: float) -> dict[int, str]:
+        reasons: dict[int, list[str]] = {}
+        for policy in self._policies:
+            for step, reason in policy.select(records, now).items():
+                found = reasons.setdefault(step, [])
+                if reason not in found:
+                    found.append(reason)
+        return {step: "; ".join(found) for step, found in sorted(reasons.items())}
+
+    def tracked_metrics(self) -> tuple[tuple[str, str], ...]:
+        pairs: list[tuple[str, str]] = []
+        for policy in self._policies:
+            pairs.extend(tracked_metrics(policy))
+        return tuple(dict.fromkeys(pairs))
+
+    def _key(self) -> tuple[object, ...]:
+        return self._policies
+
+    def __repr__(self) -> str:
+        if len(self._policies) == 1:
+            return f"KeepAny({self._policies[0]!r})"
+        return " | ".join(repr(p) for p in self._policies)

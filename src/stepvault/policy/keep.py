@@ -23,7 +23,16 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Literal
 
-from .base import CheckpointRecord, KeepPolicy, RetentionEntry, RetentionPlan
+from .base import (
+    CheckpointRecord,
+    KeepAny,
+    KeepPolicy,
+    RetentionEntry,
+    RetentionPlan,
+    _Rule,
+    tracked_metrics,
+)
+from .validate import exactly_one, num, positive_int, positive_seconds
 
 __all__ = [
     "DAMAGED_REASON",
@@ -54,31 +63,6 @@ DAMAGED_REASON = "damaged (valid=False) and not pinned"
 # --------------------------------------------------------------------------- helpers
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _seconds(name: str, value: timedelta | float) -> float:
-    """A positive duration given as a timedelta or a number of seconds."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise ValueError(f"{name} must be a timedelta or seconds, got {value!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be a positive duration, got {value!r}")
-    return seconds
-
-
-def _num(value: float) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return repr(value) if isinstance(value, float) else str(value)
-
-
 _UNITS: tuple[tuple[str, float], ...] = (
     ("day", 86400.0),
     ("hour", 3600.0),
@@ -93,7 +77,7 @@ def _duration(seconds: float) -> str:
         count = seconds / size
         if count >= 1 and count.is_integer():
             return f"{int(count)} {unit}" + ("" if count == 1 else "s")
-    return f"{_num(seconds)} seconds"
+    return f"{num(seconds)} seconds"
 
 
 def _timedelta_repr(seconds: float) -> str:
@@ -121,82 +105,7 @@ def _ranked_by_metric(
     return [r for _, r in scored]
 
 
-def tracked_metrics(policy: KeepPolicy | None) -> tuple[tuple[str, str], ...]:
-    """The ``(metric, mode)`` pairs a policy ranks by: those of every :class:`KeepBest`
-    in it, found through :class:`KeepAny`. A custom rule takes part by defining a
-    ``tracked_metrics()`` method that returns such pairs."""
-    method = getattr(policy, "tracked_metrics", None)
-    if method is None:
-        return ()
-    return tuple(dict.fromkeys((str(m), str(mode)) for m, mode in method()))
-
-
 # --------------------------------------------------------------------------- rules
-
-
-class _Rule(KeepPolicy):
-    """Value semantics for the stateless rules: equal configuration, equal rule."""
-
-    def _key(self) -> tuple[object, ...]:
-        raise NotImplementedError
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        assert isinstance(other, _Rule)
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self._key()))
-
-
-class KeepAny(_Rule):
-    """Keep what any member rule keeps; ``a | b | c`` builds one flat ``KeepAny``.
-
-    A checkpoint kept by several members gets all their reasons, ``"; "``-joined in
-    member order.
-    """
-
-    def __init__(self, *policies: KeepPolicy) -> None:
-        flat: list[KeepPolicy] = []
-        for policy in policies:
-            if not isinstance(policy, KeepPolicy):
-                raise TypeError(f"KeepAny members must be KeepPolicy objects, got {policy!r}")
-            members = policy.policies if isinstance(policy, KeepAny) else (policy,)
-            for member in members:
-                if member not in flat:
-                    flat.append(member)
-        if not flat:
-            raise ValueError("KeepAny() needs at least one policy")
-        self._policies: tuple[KeepPolicy, ...] = tuple(flat)
-
-    @property
-    def policies(self) -> tuple[KeepPolicy, ...]:
-        """The member rules, flattened, in the order given."""
-        return self._policies
-
-    def select(self, records: list[CheckpointRecord], now: float) -> dict[int, str]:
-        reasons: dict[int, list[str]] = {}
-        for policy in self._policies:
-            for step, reason in policy.select(records, now).items():
-                found = reasons.setdefault(step, [])
-                if reason not in found:
-                    found.append(reason)
-        return {step: "; ".join(found) for step, found in sorted(reasons.items())}
-
-    def tracked_metrics(self) -> tuple[tuple[str, str], ...]:
-        pairs: list[tuple[str, str]] = []
-        for policy in self._policies:
-            pairs.extend(tracked_metrics(policy))
-        return tuple(dict.fromkeys(pairs))
-
-    def _key(self) -> tuple[object, ...]:
-        return self._policies
-
-    def __repr__(self) -> str:
-        if len(self._policies) == 1:
-            return f"KeepAny({self._policies[0]!r})"
-        return " | ".join(repr(p) for p in self._policies)
 
 
 class KeepLast(_Rule):
@@ -207,7 +116,7 @@ class KeepLast(_Rule):
     """
 
     def __init__(self, n: int, *, kind: str | None = None) -> None:
-        self._n = _check_positive_int("KeepLast(n)", n)
+        self._n = positive_int("KeepLast(n)", n)
         if kind is not None and not isinstance(kind, str):
             raise ValueError(f"kind= must be a string or None, got {kind!r}")
         self._kind = kind
@@ -245,7 +154,7 @@ class KeepBest(_Rule):
     """
 
     def __init__(self, n: int, metric: str, mode: Mode = "min") -> None:
-        self._n = _check_positive_int("KeepBest(n)", n)
+        self._n = positive_int("KeepBest(n)", n)
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"KeepBest metric must be a non-empty string, got {metric!r}")
         if mode not in ("min", "max"):
@@ -285,7 +194,7 @@ class KeepEvery(_Rule):
     through the whole run, e.g. for later analysis of training dynamics)."""
 
     def __init__(self, *, steps: int) -> None:
-        self._steps = _check_positive_int("KeepEvery(steps=)", steps)
+        self._steps = positive_int("KeepEvery(steps=)", steps)
 
     @property
     def steps(self) -> int:
@@ -316,16 +225,7 @@ class KeepWithin(_Rule):
         hours: float | None = None,
         days: float | None = None,
     ) -> None:
-        given = {
-            unit: value
-            for unit, value in (
-                ("seconds", seconds),
-                ("minutes", minutes),
-                ("hours", hours),
-                ("days", days),
-            )
-            if value is not None
-        }
+        given = exactly_one(seconds=seconds, minutes=minutes, hours=hours, days=days)
         if len(given) != 1:
             got = ", ".join(f"{k}=" for k in given) if given else "none"
             raise ValueError(
@@ -334,7 +234,7 @@ class KeepWithin(_Rule):
         ((unit, value),) = given.items()
         scale = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}[unit]
         self._unit = unit
-        self._value = _seconds(f"KeepWithin({unit}=)", value)
+        self._value = positive_seconds(f"KeepWithin({unit}=)", value)
         self._window = self._value * scale
 
     @property
@@ -344,14 +244,14 @@ class KeepWithin(_Rule):
     def select(self, records: list[CheckpointRecord], now: float) -> dict[int, str]:
         cutoff = now - self._window
         plural = "" if self._value == 1 else "s"
-        reason = f"within {_num(self._value)} {self._unit[:-1]}{plural}"
+        reason = f"within {num(self._value)} {self._unit[:-1]}{plural}"
         return {r.step: reason for r in records if r.valid and r.created >= cutoff}
 
     def _key(self) -> tuple[object, ...]:
         return (self._window,)
 
     def __repr__(self) -> str:
-        return f"KeepWithin({self._unit}={_num(self._value)})"
+        return f"KeepWithin({self._unit}={num(self._value)})"
 
 
 class KeepPeriodic(_Rule):
@@ -367,8 +267,8 @@ class KeepPeriodic(_Rule):
     """
 
     def __init__(self, every: timedelta | float, within: timedelta | float | None = None) -> None:
-        self._every = _seconds("KeepPeriodic(every=)", every)
-        self._within = None if within is None else _seconds("KeepPeriodic(within=)", within)
+        self._every = positive_seconds("KeepPeriodic(every=)", every)
+        self._within = None if within is None else positive_seconds("KeepPeriodic(within=)", within)
 
     @property
     def every_seconds(self) -> float:

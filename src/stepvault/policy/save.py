@@ -9,7 +9,8 @@ read, tested and dry-run without a training loop::
 
 The manager calls :meth:`SavePolicy.decide` at every step boundary, starts a save when it
 gets a :class:`SaveDecision`, and then calls :meth:`SavePolicy.saved` so stateful rules
-re-arm. Configuration is read-only after construction (properties without setters); the
+re-arm. :class:`OnSignal` (preemption) lives in :mod:`.signals` and is re-exported here.
+Configuration is read-only after construction (properties without setters); the
 only mutable parts are the timers and flags a rule needs to remember what it has seen.
 """
 
@@ -17,13 +18,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import signal
-import threading
-from collections.abc import Sequence
-from types import FrameType
 from typing import Literal
 
-from .base import SaveContext, SaveDecision, SavePolicy
+from .base import AnyOf, SaveContext, SaveDecision, SavePolicy, merge_decisions
+from .signals import OnSignal
+from .validate import exactly_one, non_negative_real, num, positive_int, positive_real
 
 __all__ = [
     "AnyOf",
@@ -49,124 +48,12 @@ def _check_kind(what: str) -> str:
     return what
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    # bool is an int subclass; Every(steps=True) is a bug, not "every step".
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}= must be a positive integer, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name}= must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _check_positive_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name}= must be a positive number, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{name}= must be a positive finite number, got {value!r}")
-    return number
-
-
-def _num(value: float) -> str:
-    """A number as people write it: ``1000``, ``0.5``, ``30`` (not ``30.0``)."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return repr(value) if isinstance(value, float) else str(value)
-
-
 def _plural(value: float, unit: str) -> str:
-    return f"{_num(value)} {unit}" + ("" if value == 1 else "s")
+    return f"{num(value)} {unit}" + ("" if value == 1 else "s")
 
 
 def _kind_suffix(what: str) -> str:
     return "" if what == "full" else f", what={what!r}"
-
-
-def merge_decisions(decisions: Sequence[SaveDecision]) -> SaveDecision | None:
-    """Fold several rules' decisions for one step boundary into the strongest one.
-
-    One save satisfies every rule that fired, so the merged save must be at least as
-    strong as each of them: urgent if any is urgent, ``"full"`` if any wants the full
-    state, every reason kept (``"; "``-joined, in the order given, duplicates dropped).
-    The exit code comes from the first urgent decision that has one (an urgent save is
-    the one that is about preemption); with no urgent decision, from the first that has
-    one. Returns None for an empty sequence.
-    """
-    if not decisions:
-        return None
-    if len(decisions) == 1:
-        return decisions[0]
-    urgent = [d for d in decisions if d.urgent]
-    kind = "full" if any(d.kind == "full" for d in decisions) else decisions[0].kind
-    reasons = list(dict.fromkeys(d.reason for d in decisions if d.reason))
-    exit_from = urgent or decisions
-    exit_code = next((d.exit_code for d in exit_from if d.exit_code is not None), None)
-    return SaveDecision(
-        kind=kind, reason="; ".join(reasons), urgent=bool(urgent), exit_code=exit_code
-    )
-
-
-# --------------------------------------------------------------------------- composition
-
-
-class AnyOf(SavePolicy):
-    """Save when any member rule wants to; ``a | b | c`` builds one flat ``AnyOf``.
-
-    Every member is asked at every step boundary (no short-circuit), because stateful
-    rules (timers, first-step, signals) must see each step to keep their state right.
-    The answers are merged by :func:`merge_decisions`. :meth:`saved`, :meth:`install`
-    and :meth:`uninstall` are passed to every member.
-    """
-
-    def __init__(self, *policies: SavePolicy) -> None:
-        flat: list[SavePolicy] = []
-        for policy in policies:
-            if not isinstance(policy, SavePolicy):
-                raise TypeError(f"AnyOf members must be SavePolicy objects, got {policy!r}")
-            members = policy.policies if isinstance(policy, AnyOf) else (policy,)
-            for member in members:
-                # The same stateful object twice would be asked twice per step and
-                # e.g. a FirstStep would answer differently the second time.
-                if not any(member is seen for seen in flat):
-                    flat.append(member)
-        if not flat:
-            raise ValueError("AnyOf() needs at least one policy")
-        self._policies: tuple[SavePolicy, ...] = tuple(flat)
-
-    @property
-    def policies(self) -> tuple[SavePolicy, ...]:
-        """The member rules, flattened, in the order given."""
-        return self._policies
-
-    def decide(self, ctx: SaveContext) -> SaveDecision | None:
-        # A list, not a generator fed to any(): every member must run.
-        answers = [policy.decide(ctx) for policy in self._policies]
-        return merge_decisions([a for a in answers if a is not None])
-
-    def saved(self, ctx: SaveContext, decision: SaveDecision) -> None:
-        for policy in self._policies:
-            policy.saved(ctx, decision)
-
-    def install(self) -> None:
-        done: list[SavePolicy] = []
-        try:
-            for policy in self._policies:
-                policy.install()
-                done.append(policy)
-        except BaseException:
-            # Leave no half-installed signal handlers behind.
-            for policy in reversed(done):
-                policy.uninstall()
-            raise
-
-    def uninstall(self) -> None:
-        for policy in reversed(self._policies):
-            policy.uninstall()
-
-    def __repr__(self) -> str:
-        if len(self._policies) == 1:
-            return f"AnyOf({self._policies[0]!r})"
-        return " | ".join(repr(p) for p in self._policies)
 
 
 # --------------------------------------------------------------------------- intervals
@@ -232,17 +119,9 @@ class Every(SavePolicy):
         *,
         what: SaveKind = "full",
     ) -> None:
-        given = {
-            name: value
-            for name, value in (
-                ("steps", steps),
-                ("epochs", epochs),
-                ("seconds", seconds),
-                ("minutes", minutes),
-                ("hours", hours),
-            )
-            if value is not None
-        }
+        given = exactly_one(
+            steps=steps, epochs=epochs, seconds=seconds, minutes=minutes, hours=hours
+        )
         if len(given) != 1:
             got = ", ".join(f"{k}=" for k in given) if given else "none"
             raise ValueError(
@@ -252,9 +131,9 @@ class Every(SavePolicy):
             )
         ((unit, value),) = given.items()
         if unit in ("steps", "epochs"):
-            self._value: float = _check_positive_int(unit, value)
+            self._value: float = positive_int(f"{unit}=", value)
         else:
-            self._value = _check_positive_real(unit, value)
+            self._value = positive_real(f"{unit}=", value)
         self._unit = unit
         self._what = _check_kind(what)
         self._timer = _Timer()
@@ -313,7 +192,7 @@ class Every(SavePolicy):
             self._timer.rearm(ctx.now)
 
     def __repr__(self) -> str:
-        return f"Every({self._unit}={_num(self._value)}{_kind_suffix(self._what)})"
+        return f"Every({self._unit}={num(self._value)}{_kind_suffix(self._what)})"
 
 
 class AtSteps(SavePolicy):
@@ -399,205 +278,6 @@ class LastStep(SavePolicy):
         return f"LastStep({_kind_suffix(self._what)[2:]})"
 
 
-# --------------------------------------------------------------------------- preemption
-
-
-def _default_signals() -> tuple[signal.Signals, ...]:
-    # SIGUSR1 does not exist on Windows.
-    names = ("SIGTERM", "SIGUSR1")
-    return tuple(getattr(signal.Signals, n) for n in names if hasattr(signal.Signals, n))
-
-
-def _to_signal(value: int | str | signal.Signals) -> signal.Signals:
-    if isinstance(value, signal.Signals):
-        sig = value
-    elif isinstance(value, str):
-        name = value.upper()
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        try:
-            sig = signal.Signals[name]
-        except KeyError:
-            raise ValueError(f"unknown signal {value!r}") from None
-    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        try:
-            sig = signal.Signals(int(value))
-        except ValueError:
-            raise ValueError(f"unknown signal number {value!r}") from None
-    else:
-        raise ValueError(f"a signal is a signal.Signals, a number or a name, got {value!r}")
-    uncatchable = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
-    if sig in uncatchable:
-        raise ValueError(f"{sig.name} cannot be caught, so it cannot trigger a save")
-    return sig
-
-
-class OnSignal(SavePolicy):
-    """Save urgently when the process receives a signal (preemption), then exit or go on.
-
-    Schedulers warn before they kill: SLURM sends the signal asked for with
-    ``sbatch --signal=USR1@120`` (SIGUSR1 120 s before the time limit; use
-    ``--signal=B:USR1@120`` to signal the batch shell only) and SIGTERM on
-    ``scancel``/preemption; Kubernetes and spot/preemptible VMs (AWS spot two-minute
-    notice, GCP preemptible, Azure spot) end in SIGTERM after a grace period. With the
-    default ``OnSignal()`` (SIGTERM and SIGUSR1) the next step boundary after the signal
-    writes a synchronous full checkpoint, and with ``action="exit"`` the manager then
-    exits with ``exit_code`` (default ``128 + signum``, the shell convention, e.g. 143 for
-    SIGTERM, so the scheduler sees "killed by signal" and may requeue).
-    ``action="continue"`` saves and keeps training (e.g. a "checkpoint now" USR1 from an
-    operator).
-
-    :meth:`install` (main thread only: Python runs signal handlers there) replaces the
-    handlers with ones that only record the signal; nothing is written inside a signal
-    handler, since it could interrupt the training step at any bytecode. Previous
-    handlers are not chained (the default SIGTERM action would kill the process before
-    the save) and are restored by :meth:`uninstall`.
-
-    A received signal stays pending (:attr:`triggered`) until a save that this rule
-    reported is acknowledged through :meth:`saved`; a signal that arrives between
-    ``decide`` and ``saved`` is not lost. :meth:`trigger` simulates a signal (tests,
-    programmatic preemption).
-    """
-
-    def __init__(
-        self,
-        *signals: int | str | signal.Signals,
-        action: Literal["exit", "continue"] = "exit",
-        exit_code: int | None = None,
-    ) -> None:
-        chosen = tuple(_to_signal(s) for s in signals) if signals else _default_signals()
-        self._signals: tuple[signal.Signals, ...] = tuple(dict.fromkeys(chosen))
-        if action not in ("exit", "continue"):
-            raise ValueError(f"action= must be 'exit' or 'continue', got {action!r}")
-        if exit_code is not None:
-            if action != "exit":
-                raise ValueError("exit_code= only makes sense with action='exit'")
-            if isinstance(exit_code, bool) or not isinstance(exit_code, numbers.Integral):
-                raise ValueError(f"exit_code= must be an integer, got {exit_code!r}")
-            if not 0 <= exit_code <= 255:
-                raise ValueError(f"exit_code= must be in 0..255, got {exit_code!r}")
-        self._action = action
-        self._exit_code = None if exit_code is None else int(exit_code)
-        # Counters rather than a flag: the handler can run between any two bytecodes,
-        # including between decide() and saved(); comparing counts tells a signal that
-        # was reported (and saved for) from one that arrived afterwards.
-        self._received = 0
-        self._handled = 0
-        self._reported: int | None = None
-        self._signum: int | None = None
-        self._previous: dict[signal.Signals, object] | None = None
-
-    @property
-    def signals(self) -> tuple[signal.Signals, ...]:
-        return self._signals
-
-    @property
-    def action(self) -> str:
-        return self._action
-
-    @property
-    def exit_code(self) -> int | None:
-        """The configured exit code (None: ``128 + signum`` for action="exit")."""
-        return self._exit_code
-
-    @property
-    def triggered(self) -> bool:
-        """True while a received signal has not been saved for."""
-        return self._received > self._handled
-
-    @property
-    def installed(self) -> bool:
-        return self._previous is not None
-
-    def trigger(self, signum: int | str | signal.Signals = signal.SIGTERM) -> None:
-        """Act as if ``signum`` had been received (tests, programmatic preemption)."""
-        self._record(int(_to_signal(signum)))
-
-    def _record(self, signum: int) -> None:
-        self._signum = signum
-        self._received += 1
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self._record(signum)
-
-    def decide(self, ctx: SaveContext) -> SaveDecision | None:
-        received = self._received
-        if received <= self._handled or self._signum is None:
-            return None
-        self._reported = received
-        signum = self._signum
-        if self._action == "exit":
-            code: int | None = self._exit_code if self._exit_code is not None else 128 + signum
-        else:
-            code = None
-        return SaveDecision(
-            kind="full", reason=f"signal {_signal_name(signum)}", urgent=True, exit_code=code
-        )
-
-    def saved(self, ctx: SaveContext, decision: SaveDecision) -> None:
-        # Only an urgent save after this rule reported a signal answers that signal; an
-        # ordinary background save in between does not.
-        if decision.urgent and self._reported is not None:
-            self._handled = max(self._handled, self._reported)
-            self._reported = None
-
-    def install(self) -> None:
-        _require_main_thread("OnSignal.install()")
-        if self._previous is not None:
-            return  # already installed: keep the handlers we saved the first time
-        previous: dict[signal.Signals, object] = {}
-        try:
-            for sig in self._signals:
-                previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, self._handle)
-        except BaseException:
-            for sig, handler in previous.items():
-                signal.signal(sig, _restorable(handler))
-            raise
-        self._previous = previous
-
-    def uninstall(self) -> None:
-        if self._previous is None:
-            return
-        _require_main_thread("OnSignal.uninstall()")
-        for sig, handler in self._previous.items():
-            # If someone replaced our handler since, theirs is the one in charge now;
-            # putting the old one back would silently disable it.
-            if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, _restorable(handler))
-        self._previous = None
-
-    def __repr__(self) -> str:
-        parts = [s.name for s in self._signals]
-        if self._action != "exit":
-            parts.append(f"action={self._action!r}")
-        if self._exit_code is not None:
-            parts.append(f"exit_code={self._exit_code}")
-        return f"OnSignal({', '.join(parts)})"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
-
-
-def _restorable(handler: object) -> object:
-    # getsignal() returns None for handlers not installed from Python; signal() refuses
-    # None, and the default action is the closest thing we can put back.
-    return signal.SIG_DFL if handler is None else handler
-
-
-def _require_main_thread(what: str) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError(
-            f"{what} must be called from the main thread: Python only runs signal "
-            "handlers there (create the CheckpointManager in the training script's main "
-            "thread, before starting worker threads)"
-        )
-
-
 # --------------------------------------------------------------------------- Young/Daly
 
 
@@ -624,14 +304,10 @@ class YoungDaly(SavePolicy):
         max_seconds: float | None = None,
         what: SaveKind = "full",
     ) -> None:
-        self._mtbf_hours = _check_positive_real("mtbf_hours", mtbf_hours)
-        if isinstance(min_seconds, bool) or not isinstance(min_seconds, numbers.Real):
-            raise ValueError(f"min_seconds= must be a number >= 0, got {min_seconds!r}")
-        if not math.isfinite(min_seconds) or min_seconds < 0:
-            raise ValueError(f"min_seconds= must be a finite number >= 0, got {min_seconds!r}")
-        self._min_seconds = float(min_seconds)
+        self._mtbf_hours = positive_real("mtbf_hours=", mtbf_hours)
+        self._min_seconds = non_negative_real("min_seconds=", min_seconds)
         if max_seconds is not None:
-            max_value = _check_positive_real("max_seconds", max_seconds)
+            max_value = positive_real("max_seconds=", max_seconds)
             if max_value < self._min_seconds:
                 raise ValueError(
                     f"max_seconds= ({max_seconds!r}) must be >= min_seconds= ({min_seconds!r})"
@@ -675,18 +351,18 @@ class YoungDaly(SavePolicy):
             cost = "save cost not measured yet"
         else:
             cost = f"save cost {ctx.save_cost:.3g} s"
-        reason = f"Young/Daly interval {interval:.0f} s ({cost}, MTBF {_num(self._mtbf_hours)} h)"
+        reason = f"Young/Daly interval {interval:.0f} s ({cost}, MTBF {num(self._mtbf_hours)} h)"
         return SaveDecision(kind=self._what, reason=reason)
 
     def saved(self, ctx: SaveContext, decision: SaveDecision) -> None:
         self._timer.rearm(ctx.now)
 
     def __repr__(self) -> str:
-        parts = [_num(self._mtbf_hours)]
+        parts = [num(self._mtbf_hours)]
         if self._min_seconds != 60:
-            parts.append(f"min_seconds={_num(self._min_seconds)}")
+            parts.append(f"min_seconds={num(self._min_seconds)}")
         if self._max_seconds is not None:
-            parts.append(f"max_seconds={_num(self._max_seconds)}")
+            parts.append(f"max_seconds={num(self._max_seconds)}")
         if self._what != "full":
             parts.append(f"what={self._what!r}")
         return f"YoungDaly({', '.join(parts)})"

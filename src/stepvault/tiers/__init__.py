@@ -15,10 +15,7 @@ Each tier is a complete stepvault store; a checkpoint lives in a tier iff its ma
 committed there. See STORAGE.md.
 """
 
-from .config import HOT, TierError, Tiers, TierSpec, add_tier, read_tier_specs, remove_tier
-from .copy import CopyStats, copy_checkpoint
-from .mover import MoveReport, TierMover, apply_tier_policy
-from .policy import (
+from ..policy import (
     ArchiveProtected,
     CopyEvery,
     HotLast,
@@ -28,6 +25,9 @@ from .policy import (
     TierPolicy,
     plan_tiers,
 )
+from .config import HOT, TierError, Tiers, TierSpec, add_tier, read_tier_specs, remove_tier
+from .copy import CopyStats, copy_checkpoint
+from .mover import MoveReport, TierMover, apply_tier_policy
 from .view import CatalogEntry, TieredView, catalog, read_view
 
 __all__ = [

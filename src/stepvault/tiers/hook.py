@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..engine.gc import DEFAULT_GRACE_SECONDS
+from ..policy import TierPolicy
 from ..store import Backend, Store
 from .config import Tiers, add_tier, read_tier_specs, spec_for
 from .mover import TierMover
-from .policy import TierPolicy
 from .view import TieredView
 
 

@@ -25,11 +25,10 @@ from ..catalog.events import log_event
 from ..catalog.records import checkpoint_records
 from ..engine.gc import DEFAULT_GRACE_SECONDS, sweep
 from ..errors import StepvaultError
-from ..policy import CheckpointRecord
+from ..policy import CheckpointRecord, TierPlan, TierPolicy, plan_tiers
 from ..store import Store
 from .config import HOT, Tiers
 from .copy import DEFAULT_COPY_WORKERS, CopyStats, copy_checkpoint, copy_pin
-from .policy import TierPlan, TierPolicy, plan_tiers
 
 #: The mover sweeps hot while saves are in flight in the same process: never with less grace.
 CONCURRENT_GRACE_FLOOR = 60.0

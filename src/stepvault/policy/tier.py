@@ -25,13 +25,13 @@ committed, and never deletes anything from a cold tier: cold tiers are archives.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ..policy import CheckpointRecord
+from .base import CheckpointRecord, flatten_union
+from .validate import exactly_one, num, positive_int, seconds_in
 
 __all__ = [
     "ArchiveProtected",
@@ -112,16 +112,7 @@ class TierAny(TierPolicy):
     """The union of its members: ``a | b | c`` builds one flat TierAny."""
 
     def __init__(self, *policies: TierPolicy) -> None:
-        flat: list[TierPolicy] = []
-        for p in policies:
-            if not isinstance(p, TierPolicy):
-                raise TypeError(f"TierAny members must be TierPolicy objects, got {p!r}")
-            for member in p.policies if isinstance(p, TierAny) else (p,):
-                if member not in flat:
-                    flat.append(member)
-        if not flat:
-            raise ValueError("TierAny() needs at least one policy")
-        self.policies = tuple(flat)
+        self.policies: tuple[TierPolicy, ...] = flatten_union(policies, TierPolicy, TierAny)
 
     def place(self, records, now, holdings) -> Placement:
         out = Placement()
@@ -139,31 +130,13 @@ class TierAny(TierPolicy):
         return " | ".join(repr(p) for p in self.policies)
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _duration(name: str, **units: float | timedelta | None) -> float:
-    given = {k: v for k, v in units.items() if v is not None}
+    given = exactly_one(**units)
     if len(given) != 1:
         raise ValueError(f"{name} takes exactly one of {', '.join(f'{u}=' for u in units)}")
     ((unit, value),) = given.items()
     scale = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0, "age": 1.0}
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        seconds = float(value) * scale[unit]
-    else:
-        raise ValueError(f"{name}: {unit}= must be a number or timedelta, got {value!r}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{name}: {unit}= must be a non-negative duration, got {value!r}")
-    return seconds
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else repr(x)
+    return seconds_in(name, unit, value, scale[unit])
 
 
 class HotLast(TierPolicy):
@@ -172,7 +145,7 @@ class HotLast(TierPolicy):
     simply deleted, as a keep policy would)."""
 
     def __init__(self, k: int) -> None:
-        self.k = _positive_int("HotLast(k)", k)
+        self.k = positive_int("HotLast(k)", k)
 
     def place(self, records, now, holdings) -> Placement:
         newest = [r for r in records if r.valid][-self.k :]
@@ -197,7 +170,7 @@ class CopyEvery(TierPolicy):
         hours: float | None = None,
     ) -> None:
         self.tier = tier
-        self.steps = None if steps is None else _positive_int("CopyEvery(steps=)", steps)
+        self.steps = None if steps is None else positive_int("CopyEvery(steps=)", steps)
         if self.steps is not None and any(v is not None for v in (minutes, seconds, hours)):
             raise ValueError("CopyEvery takes steps= or a time interval, not both")
         self.interval = None
@@ -213,7 +186,7 @@ class CopyEvery(TierPolicy):
             chosen = {r.step: reason for r in valid if r.step % self.steps == 0}
         else:
             assert self.interval is not None
-            reason = f"one per {_num(self.interval / 60)} min to {self.tier}"
+            reason = f"one per {num(self.interval / 60)} min to {self.tier}"
             held = holdings.get(self.tier, set())
             last = max((r.created for r in valid if r.step in held), default=-math.inf)
             chosen = {}
@@ -232,7 +205,7 @@ class CopyEvery(TierPolicy):
     def __repr__(self) -> str:
         if self.steps is not None:
             return f"CopyEvery({self.tier!r}, steps={self.steps})"
-        return f"CopyEvery({self.tier!r}, minutes={_num((self.interval or 0) / 60)})"
+        return f"CopyEvery({self.tier!r}, minutes={num((self.interval or 0) / 60)})"
 
 
 class MoveAfter(TierPolicy):
@@ -252,7 +225,7 @@ class MoveAfter(TierPolicy):
         self.age = _duration("MoveAfter", age=age, minutes=minutes, hours=hours, days=days)
 
     def place(self, records, now, holdings) -> Placement:
-        reason = f"older than {_num(self.age / 60)} min: moved to {self.tier}"
+        reason = f"older than {num(self.age / 60)} min: moved to {self.tier}"
         old = {r.step: reason for r in records if r.valid and r.created <= now - self.age}
         return Placement(cold={self.tier: dict(old)}, move=dict(old))
 
@@ -263,7 +236,7 @@ class MoveAfter(TierPolicy):
         return {self.tier}
 
     def __repr__(self) -> str:
-        return f"MoveAfter({self.tier!r}, minutes={_num(self.age / 60)})"
+        return f"MoveAfter({self.tier!r}, minutes={num(self.age / 60)})"
 
 
 class ArchiveProtected(TierPolicy):
