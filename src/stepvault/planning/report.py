@@ -27,6 +27,10 @@ __all__ = ["DEFAULT_PRICES", "Goodput", "Plan", "plan", "plan_json"]
 #: class) — examples to be replaced by your own, not truths.
 DEFAULT_PRICES: dict[str, float] = {"hot": 0.10, "archive": 0.023, "cold": 0.004}
 
+#: The simulation advances every trial one event per iteration: beyond this many saves in
+#: the run it would take minutes, and the plan says it was skipped instead.
+SIMULATION_MAX_SAVES = 20_000
+
 #: Seconds or a duration string ("24h").
 Duration = float | str
 
@@ -146,9 +150,13 @@ def _goodput(
     )
 
 
-def _simulated(g: Goodput, schedule: Schedule, **kw: Any) -> dict[str, Any]:
-    result = simulate(schedule.segments(), useful=g.useful_seconds, **kw)
-    return result.to_json()
+def _simulated(inp: _Inputs, g: Goodput, schedule: Schedule, **kw: Any) -> dict[str, Any] | None:
+    segments = schedule.segments()
+    if len(segments) > SIMULATION_MAX_SAVES:
+        inp.assume(f"no simulation of {g.policy}: {len(segments)} saves is more than the "
+                   f"simulation handles ({SIMULATION_MAX_SAVES}); the closed form stands alone")
+        return None
+    return simulate(segments, useful=g.useful_seconds, **kw).to_json()
 
 
 def _mtbf(inp: _Inputs, mtbf: Duration | None, nodes: int | None, node_mtbf: Duration | None):
@@ -339,9 +347,9 @@ def plan(
         sim_kw = dict(restart=restart, mtbf=m, trials=simulate_trials, seed=seed,
                       distribution=failures, weibull_shape=weibull_shape,
                       commit_delay=commit if asynchronous else None)
-        optimum.simulated = _simulated(optimum, opt_schedule, **sim_kw)
+        optimum.simulated = _simulated(inp, optimum, opt_schedule, **sim_kw)
         if current is not None and cur_schedule is not None:
-            current.simulated = _simulated(current, cur_schedule, **sim_kw)
+            current.simulated = _simulated(inp, current, cur_schedule, **sim_kw)
         if failures != "exponential":
             inp.assume("the closed forms assume exponential failures; the simulation used "
                        f"{failures} (shape {weibull_shape}): their difference is the model's")

@@ -120,7 +120,6 @@ def forecast_storage(
     sizes = dict(sizes)
     cold = sorted(tiers.tiers()) if tiers is not None else []
     names = [HOT, *cold]
-    held: dict[str, set[int]] = {n: set() for n in names}
     kinds: dict[int, str] = {}
     records: list[CheckpointRecord] = []
     moved = dict.fromkeys(names, 0)
@@ -134,6 +133,8 @@ def forecast_storage(
     def size_of(step: int) -> tuple[int, int]:
         return sizes.get(kinds[step]) or sizes["full"]
 
+    held = {n: _Held(size_of, factors.get(n, 1.0)) for n in names}
+
     for point in schedule.points:
         hours = point.wall / 3600.0
         for n in names:  # the bytes held since the previous save, for the bill
@@ -143,40 +144,41 @@ def forecast_storage(
         kinds[point.step] = point.kind
         records.append(CheckpointRecord(point.step, now, kind=point.kind))
         held[HOT].add(point.step)
-        before = {n: _held_bytes(held[n], size_of, factors.get(n, 1.0)) for n in cold}
+        before = {n: held[n].bytes for n in cold}
 
         # 1. retention, as CheckpointManager._apply_retention does it
         if keep is not None:
             plan = plan_retention(records, keep, now=now)
             delete = plan.delete
             if tiers is not None and delete:  # TierMover.hold: owed to a cold tier stays
-                placement = tiers.place(records, now, {t: held[t] for t in cold})
+                placement = tiers.place(records, now, {t: held[t].steps for t in cold})
                 owed = {
                     s for t, want in placement.cold.items() for s in delete
-                    if s in want and s not in held[t]
+                    if s in want and s not in held[t].steps
                 }
                 delete = [s for s in delete if s not in owed]
             gone = set(delete)
             records = [r for r in records if r.step not in gone]
-            held[HOT] -= gone
+            for step in gone:
+                held[HOT].discard(step)
             deleted += len(gone)
 
         # 2. the tier mover's pass, as apply_tier_policy does it
         if tiers is not None:
-            holdings = {t: set(held[t]) for t in cold}
+            holdings = {t: held[t].steps for t in cold}  # read only by plan_tiers
             tplan = plan_tiers(records, tiers, now=now, holdings=holdings)
             for step, tier in tplan.copies:
                 held[tier].add(step)
             out = set(tplan.evictions)
             records = [r for r in records if r.step not in out]
-            held[HOT] -= out
+            for step in out:
+                held[HOT].discard(step)
             evicted += len(out)
             for t in cold:
-                after = _held_bytes(held[t], size_of, factors.get(t, 1.0))
-                moved[t] += after - before[t]
+                moved[t] += held[t].bytes - before[t]
 
         for n in names:
-            current[n] = _held_bytes(held[n], size_of, factors.get(n, 1.0))
+            current[n] = held[n].bytes
             peak[n] = max(peak[n], current[n])
         timeline.append((hours, dict(current)))
 
@@ -189,7 +191,7 @@ def forecast_storage(
         moved[HOT] += size_of(schedule.points[0].step)[0] - size_of(schedule.points[0].step)[1]
     usage = {
         n: TierUsage(
-            n, sorted(held[n]), current[n], peak[n], moved[n],
+            n, sorted(held[n].steps), current[n], peak[n], moved[n],
             byte_hours[n], prices.get(n),
         )
         for n in names
@@ -208,9 +210,39 @@ def forecast_storage(
     return StorageForecast(usage, timeline, deleted, evicted, notes)
 
 
-def _held_bytes(steps: set[int], size_of: Any, factor: float) -> int:
-    if not steps:
-        return 0
-    pairs = [size_of(s) for s in steps]
-    shared = max(stored - new for stored, new in pairs)
-    return int(factor * (shared + sum(new for _, new in pairs)))
+class _Held:
+    """The steps one tier holds, with their footprint kept up to date as steps come and go
+    (recomputing it from scratch after every save would make a long plan quadratic)."""
+
+    def __init__(self, size_of: Any, factor: float) -> None:
+        self.steps: set[int] = set()
+        self._size_of = size_of
+        self._factor = factor
+        self._new = 0
+        self._shared: dict[int, int] = {}  # shared bytes -> how many held steps have them
+
+    def add(self, step: int) -> None:
+        if step in self.steps:
+            return
+        stored, new = self._size_of(step)
+        self.steps.add(step)
+        self._new += new
+        self._shared[stored - new] = self._shared.get(stored - new, 0) + 1
+
+    def discard(self, step: int) -> None:
+        if step not in self.steps:
+            return
+        stored, new = self._size_of(step)
+        self.steps.remove(step)
+        self._new -= new
+        left = self._shared[stored - new] - 1
+        if left:
+            self._shared[stored - new] = left
+        else:
+            del self._shared[stored - new]
+
+    @property
+    def bytes(self) -> int:
+        if not self.steps:
+            return 0
+        return int(self._factor * (max(self._shared) + self._new))
