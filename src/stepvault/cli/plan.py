@@ -35,7 +35,9 @@ def _pairs(option: str, items: list[str]) -> dict[str, float]:
                 raise ValueError
             out[name.strip()] = float(value)
         except ValueError:
-            raise StepvaultError(f"{option} {item!r}: write TIER=NUMBER, e.g. archive=0.7") from None
+            raise StepvaultError(
+                f"{option} {item!r}: write TIER=NUMBER, e.g. archive=0.7"
+            ) from None
     return out
 
 
@@ -157,7 +159,9 @@ def _print(doc: dict[str, Any]) -> None:
 
     iv = doc["interval"]
     table = Table("interval", "compute between saves", "steps", title="checkpoint interval")
-    table.add_row("Young  sqrt(2CM)", duration_text(iv["young_seconds"]), f"{iv['young_steps']:.0f}")
+    table.add_row(
+        "Young  sqrt(2CM)", duration_text(iv["young_seconds"]), f"{iv['young_steps']:.0f}"
+    )
     table.add_row("Daly (2006)", duration_text(iv["daly_seconds"]), f"{iv['daly_steps']:.0f}")
     table.add_row("exact optimum", duration_text(iv["exact_seconds"]), "")
     if "current_seconds" in iv:
@@ -188,28 +192,48 @@ def _print(doc: dict[str, Any]) -> None:
         ("in restarts", lambda g: duration_text(g["restart_seconds"])),
         ("lost work", lambda g: duration_text(g["lost_seconds"])),
         ("failures", lambda g: f"{g['failures']:.1f}"),
-        ("RPO (worst lost work)", lambda g: f"{duration_text(g['rpo_seconds'])} "
-                                            f"({g['rpo_steps']:.0f} steps)"),
+        (
+            "RPO (worst lost work)",
+            lambda g: f"{duration_text(g['rpo_seconds'])} ({g['rpo_steps']:.0f} steps)",
+        ),
     ]
     for name, cell in lines:
         goodput.add_row(name, *(cell(g) for g in rows))
     console.print(goodput)
-    console.print(f"RTO (expected time to ready after a failure): "
-                  f"{duration_text(doc['rto_seconds'])}", highlight=False)
+    console.print(
+        f"RTO (expected time to ready after a failure): {duration_text(doc['rto_seconds'])}",
+        highlight=False,
+    )
 
     storage = doc["storage"]
     if storage is not None:
-        table = Table("tier", "checkpoints", "held at end", "peak", "moved in", "GB-months",
-                      "$/GB-month", "cost of run", "$/month after",
-                      title="storage over the run")
+        table = Table(
+            "tier",
+            "checkpoints",
+            "held at end",
+            "peak",
+            "moved in",
+            "GB-months",
+            "$/GB-month",
+            "cost of run",
+            "$/month after",
+            title="storage over the run",
+        )
+
+        def money(v: float | None) -> str:
+            return "?" if v is None else f"${v:,.2f}"
+
         for t in storage["tiers"].values():
-            money = (lambda v: "?" if v is None else f"${v:,.2f}")
             table.add_row(
-                t["tier"], str(t["checkpoints_end"]), human_bytes(t["bytes_end"]),
-                human_bytes(t["bytes_peak"]), human_bytes(t["bytes_moved_in"]),
+                t["tier"],
+                str(t["checkpoints_end"]),
+                human_bytes(t["bytes_end"]),
+                human_bytes(t["bytes_peak"]),
+                human_bytes(t["bytes_moved_in"]),
                 f"{t['gb_months']:.1f}",
                 "?" if t["price_per_gb_month"] is None else f"{t['price_per_gb_month']:g}",
-                money(t["cost_run"]), money(t["cost_per_month_after"]),
+                money(t["cost_run"]),
+                money(t["cost_per_month_after"]),
             )
         console.print(table)
     notes = doc["assumptions"] + ([] if storage is None else storage["assumptions"])

@@ -80,9 +80,7 @@ def segment_time(work: float, delta: float, restart: float, mtbf: float) -> floa
     return mtbf * math.exp(restart / mtbf) * math.expm1((work + delta) / mtbf)
 
 
-def wall_time(
-    segments: Iterable[tuple[float, float]], restart: float, mtbf: float
-) -> float:
+def wall_time(segments: Iterable[tuple[float, float]], restart: float, mtbf: float) -> float:
     """Expected wall time of a run made of ``(work, save cost)`` segments (a last segment
     with no save at its end has cost 0): the sum of :func:`segment_time`."""
     return sum(segment_time(w, d, restart, mtbf) for w, d in segments)

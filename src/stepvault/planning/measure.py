@@ -8,6 +8,7 @@ which allocates its staging buffers) does not set the plan.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,8 +103,9 @@ def measure_run(store: Store, run: str) -> Measured:
     steps_listed = store.list_steps(run)
     if not events and not steps_listed:
         runs = ", ".join(store.list_runs()) or "none"
-        raise PlanError(f"run {run!r} has no events and no checkpoints in {store.backend.url} "
-                        f"(runs: {runs})")
+        raise PlanError(
+            f"run {run!r} has no events and no checkpoints in {store.backend.url} (runs: {runs})"
+        )
     m = Measured(run)
     saves = [e for e in events if e.get("event") == "save" and isinstance(e.get("step"), int)]
     m.saves = len(saves)
@@ -123,7 +125,8 @@ def measure_run(store: Store, run: str) -> Measured:
         m.asynchronous = sum(bool(e.get("asynchronous")) for e in saves) * 2 > len(saves)
     m.sizes = _median_sizes(by_kind) if by_kind else _sizes_from_listing(store, run)
     restores = [
-        e for e in events
+        e
+        for e in events
         if e.get("event") == "restore" and isinstance(e.get("step"), int) and _num(e, "seconds")
     ]
     m.restores = len(restores)
@@ -140,7 +143,7 @@ def _step_time(m: Measured, saves: list[dict[str, Any]]) -> None:
     in steady state the time between two commits is (steps between them) x (step time) plus
     one save cost."""
     gaps, per_step = [], []
-    for a, b in zip(saves, saves[1:]):
+    for a, b in itertools.pairwise(saves):
         ds = b["step"] - a["step"]
         ta, tb = _num(a, "time"), _num(b, "time")
         if ds <= 0 or ta is None or tb is None or a.get("pid") != b.get("pid"):

@@ -22,9 +22,7 @@ def plot_plan(plan: Any, path: str | os.PathLike[str]) -> None:
         matplotlib.use("Agg")  # no display needed, and no GUI toolkit imported
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlanError(
-            "--plot needs matplotlib: pip install 'stepvault[plot]'"
-        ) from None
+        raise PlanError("--plot needs matplotlib: pip install 'stepvault[plot]'") from None
     doc = plan.to_json()
     storage = doc["storage"]
     fig, axes = plt.subplots(1, 2 if storage else 1, figsize=(12 if storage else 6.5, 4.5))
@@ -41,8 +39,9 @@ def plot_plan(plan: Any, path: str | os.PathLike[str]) -> None:
         ax.plot([x], [g["ettr"]], marker, color=color, label=f"{label}: {g['ettr']:.4f}")
         sim = g.get("simulated")
         if sim is not None:
-            ax.errorbar([x], [sim["ettr"]], yerr=[2 * sim["ettr_se"]], fmt="x", color="black",
-                        capsize=3)
+            ax.errorbar(
+                [x], [sim["ettr"]], yerr=[2 * sim["ettr_se"]], fmt="x", color="black", capsize=3
+            )
     ax.axvline(doc["interval"]["young_seconds"] / 3600, color="grey", ls=":", label="Young")
     ax.set_xscale("log")
     ax.set_xlabel("compute between saves (hours)")
@@ -54,8 +53,12 @@ def plot_plan(plan: Any, path: str | os.PathLike[str]) -> None:
         ax2 = axes[1]
         times = [p["hours"] for p in storage["timeline"]]
         for tier in storage["tiers"]:
-            ax2.step(times, [p["bytes"].get(tier, 0) / 1e9 for p in storage["timeline"]],
-                     where="post", label=tier)
+            ax2.step(
+                times,
+                [p["bytes"].get(tier, 0) / 1e9 for p in storage["timeline"]],
+                where="post",
+                label=tier,
+            )
         ax2.set_xlabel("hours since the start (failure-free)")
         ax2.set_ylabel("GB held")
         ax2.set_title(f"bytes per tier ({doc['inputs'].get('keep_policy', {}).get('value')})")

@@ -32,7 +32,9 @@ def _classes(kind: str) -> dict[str, Any]:
 
 
 def _literal(node: ast.expr, option: str) -> Any:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str, bool, type(None))):
+    if isinstance(node, ast.Constant) and isinstance(
+        node.value, (int, float, str, bool, type(None))
+    ):
         return node.value
     if (
         isinstance(node, ast.UnaryOp)

@@ -153,8 +153,10 @@ def _goodput(
 def _simulated(inp: _Inputs, g: Goodput, schedule: Schedule, **kw: Any) -> dict[str, Any] | None:
     segments = schedule.segments()
     if len(segments) > SIMULATION_MAX_SAVES:
-        inp.assume(f"no simulation of {g.policy}: {len(segments)} saves is more than the "
-                   f"simulation handles ({SIMULATION_MAX_SAVES}); the closed form stands alone")
+        inp.assume(
+            f"no simulation of {g.policy}: {len(segments)} saves is more than the "
+            f"simulation handles ({SIMULATION_MAX_SAVES}); the closed form stands alone"
+        )
         return None
     return simulate(segments, useful=g.useful_seconds, **kw).to_json()
 
@@ -231,8 +233,9 @@ def plan(
     if save_cost is not None:
         delta = inp.set("save_cost_seconds", parse_duration("--save-cost", save_cost), "given")
     elif measured is not None and measured.save_cost is not None:
-        delta = inp.set("save_cost_seconds", measured.save_cost,
-                        f"measured: median of {measured.saves} saves")
+        delta = inp.set(
+            "save_cost_seconds", measured.save_cost, f"measured: median of {measured.saves} saves"
+        )
     elif measured is not None:
         raise PlanError(
             f"run {run!r} has no measured save (no 'save' event in its event log; saves by "
@@ -240,8 +243,10 @@ def plan(
             "SECONDS, what training waits for per save"
         )
     else:
-        raise PlanError("give --save-cost SECONDS (what training waits for per save), or a RUN "
-                        "whose saves were measured")
+        raise PlanError(
+            "give --save-cost SECONDS (what training waits for per save), or a RUN "
+            "whose saves were measured"
+        )
     delta = positive("--save-cost", delta)
     asynchronous = bool(measured and measured.asynchronous)
     if write_time is not None:
@@ -249,25 +254,29 @@ def plan(
         asynchronous = commit > delta
         inp.set("commit_delay_seconds", max(commit, delta), "given (--write-time)")
     elif measured is not None and measured.commit_delay is not None:
-        commit = inp.set("commit_delay_seconds", measured.commit_delay,
-                         "measured: stall + write")
+        commit = inp.set("commit_delay_seconds", measured.commit_delay, "measured: stall + write")
     else:
         commit = inp.set("commit_delay_seconds", delta, "assumed: synchronous saves")
     inp.set("asynchronous", asynchronous, "measured" if measured else "given")
 
     # -- restart = start-up + restore
     if restore_time is not None:
-        restore = inp.set("restore_seconds",
-                          parse_duration("--restore-time", restore_time, zero_ok=True), "given")
+        restore = inp.set(
+            "restore_seconds", parse_duration("--restore-time", restore_time, zero_ok=True), "given"
+        )
     elif measured is not None and measured.restore_seconds is not None:
-        restore = inp.set("restore_seconds", measured.restore_seconds,
-                          f"measured: median of {measured.restores} restores")
+        restore = inp.set(
+            "restore_seconds",
+            measured.restore_seconds,
+            f"measured: median of {measured.restores} restores",
+        )
     else:
         restore = inp.set("restore_seconds", commit, "assumed: as long as a save's write")
-        inp.assume(f"restore time not measured: assumed {commit:.3g} s (the write time); "
-                   "give --restore-time")
-    boot = inp.set("startup_seconds", parse_duration("--startup", startup, zero_ok=True),
-                   "given")
+        inp.assume(
+            f"restore time not measured: assumed {commit:.3g} s (the write time); "
+            "give --restore-time"
+        )
+    boot = inp.set("startup_seconds", parse_duration("--startup", startup, zero_ok=True), "given")
     restart = inp.set("restart_seconds", restore + boot, "restore + start-up")
     if boot == 0:
         inp.assume("no start-up time (scheduling, process start, loading code): give --startup")
@@ -276,23 +285,32 @@ def plan(
     if step_time is not None:
         st = inp.set("step_time_seconds", parse_duration("--step-time", step_time), "given")
     elif measured is not None and measured.step_time is not None:
-        st = inp.set("step_time_seconds", measured.step_time,
-                     "measured: time between saves / steps between them")
+        st = inp.set(
+            "step_time_seconds",
+            measured.step_time,
+            "measured: time between saves / steps between them",
+        )
     elif duration is not None and total_steps is not None:
-        st = inp.set("step_time_seconds",
-                     parse_duration("--duration", duration) / total_steps,
-                     "--duration / --total-steps")
+        st = inp.set(
+            "step_time_seconds",
+            parse_duration("--duration", duration) / total_steps,
+            "--duration / --total-steps",
+        )
     elif duration is not None and save is None:
-        st = inp.set("step_time_seconds", max(1.0, parse_duration("--duration", duration) / 1e5),
-                     "assumed")
+        st = inp.set(
+            "step_time_seconds", max(1.0, parse_duration("--duration", duration) / 1e5), "assumed"
+        )
         inp.assume(f"no step time: a 'step' here is {st:.3g} s (give --step-time)")
     else:
-        raise PlanError("give --step-time SECONDS (or a RUN with two saves in one process to "
-                        "measure it)")
+        raise PlanError(
+            "give --step-time SECONDS (or a RUN with two saves in one process to measure it)"
+        )
     if total_steps is None:
         if duration is None:
-            raise PlanError("give the planned length of the run: --total-steps N or --duration "
-                            "30d (compute time, without saves and failures)")
+            raise PlanError(
+                "give the planned length of the run: --total-steps N or --duration "
+                "30d (compute time, without saves and failures)"
+            )
         total_steps = max(1, round(parse_duration("--duration", duration) / st))
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise PlanError(f"--total-steps must be a positive integer, got {total_steps!r}")
@@ -313,16 +331,25 @@ def plan(
         "optimum_policy": repr(every_steps(daly_steps)),
     }
     if delta >= 2 * m:
-        inp.assume("the save cost is at least twice the MTBF: Daly's interval is the MTBF; "
-                   "checkpointing cannot keep up with these failures")
+        inp.assume(
+            "the save cost is at least twice the MTBF: Daly's interval is the MTBF; "
+            "checkpointing cannot keep up with these failures"
+        )
     if daly_steps > total_steps:
-        inp.assume(f"the optimum interval ({daly_steps} steps) is longer than the run "
-                   f"({total_steps} steps): the optimum saves never; add LastStep() to --save "
-                   "to save at the end")
+        inp.assume(
+            f"the optimum interval ({daly_steps} steps) is longer than the run "
+            f"({total_steps} steps): the optimum saves never; add LastStep() to --save "
+            "to save at the end"
+        )
 
     kw = dict(restart=restart, mtbf=m, commit_delay=commit, asynchronous=asynchronous)
-    opt_schedule = save_schedule(every_steps(daly_steps), total_steps=total_steps,
-                                 step_time=st, save_cost=delta, steps_per_epoch=steps_per_epoch)
+    opt_schedule = save_schedule(
+        every_steps(daly_steps),
+        total_steps=total_steps,
+        step_time=st,
+        save_cost=delta,
+        steps_per_epoch=steps_per_epoch,
+    )
     optimum = _goodput("optimum (Daly)", opt_schedule, repr(every_steps(daly_steps)), **kw)
 
     current_policy = _as_policy(save, "--save")
@@ -333,30 +360,65 @@ def plan(
     current = None
     cur_schedule = None
     if current_policy is not None:
-        cur_schedule = save_schedule(current_policy, total_steps=total_steps, step_time=st,
-                                     save_cost=delta, steps_per_epoch=steps_per_epoch)
+        cur_schedule = save_schedule(
+            current_policy,
+            total_steps=total_steps,
+            step_time=st,
+            save_cost=delta,
+            steps_per_epoch=steps_per_epoch,
+        )
         current = _goodput("current", cur_schedule, repr(current_policy), **kw)
         inp.set("save_policy", repr(current_policy), source)
         if not cur_schedule.points:
-            inp.assume(f"the save policy {current_policy!r} never saves within the run "
-                       f"({total_steps} steps): a failure restarts the run from the beginning")
+            inp.assume(
+                f"the save policy {current_policy!r} never saves within the run "
+                f"({total_steps} steps): a failure restarts the run from the beginning"
+            )
         interval["current_seconds"] = current.interval_seconds
         interval["current_steps"] = current.interval_steps
 
+    for g, sched in ((optimum, opt_schedule), (current, cur_schedule)):
+        if g is None or sched is None or not asynchronous:
+            continue
+        shortest = min((w for w, c in sched.segments() if c > 0), default=math.inf)
+        if commit > shortest:
+            inp.assume(
+                f"{g.policy}: an asynchronous save takes {commit:.3g} s to commit, longer than "
+                f"the interval ({shortest:.3g} s): each save waits for the one before, which "
+                "the closed form does not count (the simulation does)"
+            )
+
     if simulate_trials:
-        sim_kw = dict(restart=restart, mtbf=m, trials=simulate_trials, seed=seed,
-                      distribution=failures, weibull_shape=weibull_shape,
-                      commit_delay=commit if asynchronous else None)
+        sim_kw = dict(
+            restart=restart,
+            mtbf=m,
+            trials=simulate_trials,
+            seed=seed,
+            distribution=failures,
+            weibull_shape=weibull_shape,
+            commit_delay=commit if asynchronous else None,
+        )
         optimum.simulated = _simulated(inp, optimum, opt_schedule, **sim_kw)
         if current is not None and cur_schedule is not None:
             current.simulated = _simulated(inp, current, cur_schedule, **sim_kw)
         if failures != "exponential":
-            inp.assume("the closed forms assume exponential failures; the simulation used "
-                       f"{failures} (shape {weibull_shape}): their difference is the model's")
+            inp.assume(
+                "the closed forms assume exponential failures; the simulation used "
+                f"{failures} (shape {weibull_shape}): their difference is the model's"
+            )
 
-    storage = _storage(inp, measured, cur_schedule or opt_schedule, keep=keep, tiers=tiers,
-                       size=size, new_size=new_size, prices=prices, size_factors=size_factors,
-                       start=time.time() if start is None else start)
+    storage = _storage(
+        inp,
+        measured,
+        cur_schedule or opt_schedule,
+        keep=keep,
+        tiers=tiers,
+        size=size,
+        new_size=new_size,
+        prices=prices,
+        size_factors=size_factors,
+        start=time.time() if start is None else start,
+    )
     curve = [
         {"interval_seconds": tau, "ettr": work / iv.daly_wall_time(work, tau, delta, restart, m)}
         for tau in (daly * 10 ** (i / 10 - 1.3) for i in range(27))
@@ -389,8 +451,17 @@ def _prices(prices: Mapping[str, float] | Iterable[str] | None) -> dict[str, flo
 
 
 def _storage(
-    inp: _Inputs, measured: Any, schedule: Schedule, *, keep: Any, tiers: Any, size: Any,
-    new_size: Any, prices: Any, size_factors: Mapping[str, float] | None, start: float,
+    inp: _Inputs,
+    measured: Any,
+    schedule: Schedule,
+    *,
+    keep: Any,
+    tiers: Any,
+    size: Any,
+    new_size: Any,
+    prices: Any,
+    size_factors: Mapping[str, float] | None,
+    start: float,
 ) -> StorageForecast | None:
     if size is not None:
         stored = parse_size("--size", size)
@@ -401,12 +472,17 @@ def _storage(
         inp.set("sizes", {"full": {"stored_bytes": stored, "new_bytes": new}}, "given")
     elif measured is not None and measured.sizes:
         sizes = dict(measured.sizes)
-        inp.set("sizes", {k: {"stored_bytes": s, "new_bytes": n} for k, (s, n) in sizes.items()},
-                "measured: median stored and new bytes per save")
+        inp.set(
+            "sizes",
+            {k: {"stored_bytes": s, "new_bytes": n} for k, (s, n) in sizes.items()},
+            "measured: median stored and new bytes per save",
+        )
     else:
         if keep is not None or tiers is not None:
-            raise PlanError("a storage forecast needs the size of a checkpoint: --size 14GB "
-                            "(stored bytes per checkpoint; --new-size for what each adds)")
+            raise PlanError(
+                "a storage forecast needs the size of a checkpoint: --size 14GB "
+                "(stored bytes per checkpoint; --new-size for what each adds)"
+            )
         inp.assume("no checkpoint size: no storage forecast (give --size)")
         return None
     sizes.setdefault("full", next(iter(sizes.values())))
@@ -418,8 +494,15 @@ def _storage(
     inp.set("tier_policy", repr(tier_policy) if tier_policy else None, "given")
     if keep_policy is None:
         inp.assume("no keep policy: every checkpoint stays in hot (give --keep)")
-    return forecast_storage(schedule, sizes=sizes, keep=keep_policy, tiers=tier_policy,
-                            prices=_prices(prices), size_factors=size_factors, start=start)
+    return forecast_storage(
+        schedule,
+        sizes=sizes,
+        keep=keep_policy,
+        tiers=tier_policy,
+        prices=_prices(prices),
+        size_factors=size_factors,
+        start=start,
+    )
 
 
 def plan_json(root: str | os.PathLike[str], run: str, **options: Any) -> dict[str, Any]:

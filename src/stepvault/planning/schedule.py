@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..policy import AnyOf, AtSteps, Every, LastStep, SaveContext, SavePolicy
 from .units import PlanError
 
-__all__ = ["MAX_STEPS", "Schedule", "SavePoint", "every_steps", "save_schedule"]
+__all__ = ["MAX_STEPS", "SavePoint", "Schedule", "every_steps", "save_schedule"]
 
 #: Driving a policy costs ~1 us per step boundary; beyond this many steps the plan asks for a
 #: coarser description (step time per "step" of several steps) instead of running minutes.

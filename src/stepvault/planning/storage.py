@@ -153,7 +153,9 @@ def forecast_storage(
             if tiers is not None and delete:  # TierMover.hold: owed to a cold tier stays
                 placement = tiers.place(records, now, {t: held[t].steps for t in cold})
                 owed = {
-                    s for t, want in placement.cold.items() for s in delete
+                    s
+                    for t, want in placement.cold.items()
+                    for s in delete
                     if s in want and s not in held[t].steps
                 }
                 delete = [s for s in delete if s not in owed]
@@ -182,8 +184,9 @@ def forecast_storage(
             peak[n] = max(peak[n], current[n])
         timeline.append((hours, dict(current)))
 
-    end_hours = (schedule.total_steps * schedule.step_time + schedule.save_cost * len(
-        schedule.points)) / 3600.0
+    end_hours = (
+        schedule.total_steps * schedule.step_time + schedule.save_cost * len(schedule.points)
+    ) / 3600.0
     for n in names:
         byte_hours[n] += current[n] * max(0.0, end_hours - last_hours)
     moved[HOT] = sum(size_of(p.step)[1] for p in schedule.points)  # written by the saves
@@ -191,8 +194,13 @@ def forecast_storage(
         moved[HOT] += size_of(schedule.points[0].step)[0] - size_of(schedule.points[0].step)[1]
     usage = {
         n: TierUsage(
-            n, sorted(held[n].steps), current[n], peak[n], moved[n],
-            byte_hours[n], prices.get(n),
+            n,
+            sorted(held[n].steps),
+            current[n],
+            peak[n],
+            moved[n],
+            byte_hours[n],
+            prices.get(n),
         )
         for n in names
     }

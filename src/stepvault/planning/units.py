@@ -53,7 +53,8 @@ class PlanError(StepvaultError, ValueError):
 
 
 def positive(option: str, value: float, *, zero_ok: bool = False) -> float:
-    """``value`` as a finite float > 0 (>= 0 with ``zero_ok``), else a PlanError naming ``option``."""
+    """``value`` as a finite float > 0 (>= 0 with ``zero_ok``), else a PlanError naming
+    ``option``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise PlanError(f"{option} must be a number, got {value!r}")
     number = float(value)
