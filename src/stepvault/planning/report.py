@@ -407,6 +407,8 @@ def plan(
                 f"{failures} (shape {weibull_shape}): their difference is the model's"
             )
 
+    if cur_schedule is None and (size is not None or keep is not None or tiers is not None):
+        inp.assume(f"no current save policy (--save): storage is forecast for {optimum.policy}")
     storage = _storage(
         inp,
         measured,
