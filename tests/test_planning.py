@@ -409,3 +409,37 @@ def test_async_commit_longer_than_the_interval_is_stated():
     assert any("longer than the interval" in a for a in p.assumptions)
     # the waits are real: the simulation sees them, the closed form does not
     assert p.current.simulated["ettr"] < p.current.ettr * 0.98
+
+
+def test_weibull_plans_size_factors_and_epoch_rules():
+    p = plan(
+        mtbf="24h",
+        save_cost=60,
+        step_time=2,
+        total_steps=100_000,
+        simulate_trials=200,
+        failures="weibull",
+        weibull_shape=0.7,
+        save="Every(steps=2000)",
+        size="10GB",
+        new_size="8GB",
+        tiers="HotLast(1) | CopyEvery('archive', steps=10000)",
+        size_factors={"archive": 0.5},
+    )
+    assert p.optimum.simulated["distribution"] == "weibull"
+    assert any("assume exponential failures" in a for a in p.assumptions)
+    archive = p.storage.tiers["archive"]
+    assert archive.steps == list(range(10_000, 100_001, 10_000))
+    assert archive.bytes_end == 0.5 * (2e9 + 10 * 8e9)  # the tier's codec halves its bytes
+    with pytest.raises(PlanError, match="--steps-per-epoch"):
+        plan(mtbf="24h", save_cost=60, step_time=2, total_steps=1000, save="Every(epochs=1)")
+    e = plan(
+        mtbf="24h",
+        save_cost=60,
+        step_time=2,
+        total_steps=1000,
+        save="Every(epochs=1)",
+        steps_per_epoch=250,
+        simulate_trials=0,
+    )
+    assert e.current.saves == 4

@@ -13,8 +13,6 @@ from rich.table import Table
 from ..errors import StepvaultError
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
 
-DurationOpt = Annotated[str | None, typer.Option(help="Seconds or 90s, 30m, 24h, 7d, 5y.")]
-
 
 def duration_text(seconds: float | None) -> str:
     """Seconds as the unit a person reads: ``42 s``, ``53.0 min``, ``2.5 h``, ``3.1 d``."""
@@ -47,9 +45,13 @@ def plan_cmd(
         str | None, typer.Argument(help="Run whose measured costs to use; omit for a job.")
     ] = None,
     root: RootOpt = None,
-    mtbf: DurationOpt = None,
+    mtbf: Annotated[
+        str | None, typer.Option(help="The job's mean time between failures: 24h, 7d, ...")
+    ] = None,
     nodes: Annotated[int | None, typer.Option(help="Nodes of the job (with --node-mtbf).")] = None,
-    node_mtbf: DurationOpt = None,
+    node_mtbf: Annotated[
+        str | None, typer.Option(help="One node's MTBF, e.g. 5y (job MTBF = it / --nodes).")
+    ] = None,
     save_cost: Annotated[
         str | None, typer.Option(help="What training waits per save (default: measured).")
     ] = None,

@@ -113,6 +113,9 @@ def save_schedule(
             f"({MAX_STEPS}); describe the run in coarser steps (e.g. --total-steps "
             f"{total_steps // 100} with a --step-time 100x longer and the policy's steps / 100)"
         )
+    members = policy.policies if isinstance(policy, AnyOf) else (policy,)
+    if not steps_per_epoch and any(isinstance(m, Every) and m.unit == "epochs" for m in members):
+        raise PlanError(f"{policy!r} saves by epochs: give --steps-per-epoch N")
     policy = copy.deepcopy(policy)  # timers and flags change as it runs; the caller's stay
     points: list[SavePoint] = []
     now = 0.0
