@@ -91,7 +91,7 @@ class StorageForecast:
             "cost_run": self.cost_run,
             "deleted_from_hot": self.deleted,
             "evicted_from_hot": self.evicted,
-            "timeline": [{"hours": h, "bytes": b} for h, b in self.timeline],
+            "timeline": [{"hours": h, "bytes": b} for h, b in _thinned(self.timeline)],
             "assumptions": list(self.assumptions),
         }
 
@@ -216,6 +216,18 @@ def forecast_storage(
             f"{missing[0]}=0.02/GB-month to include it in the bill"
         )
     return StorageForecast(usage, timeline, deleted, evicted, notes)
+
+
+#: A plan's JSON (and figure) carries at most this many points of the timeline.
+TIMELINE_POINTS = 500
+
+
+def _thinned(timeline: list[Any]) -> list[Any]:
+    """Every k-th point and the last, so a run of 100k saves gives a readable document."""
+    if len(timeline) <= TIMELINE_POINTS:
+        return list(timeline)
+    k = -(-len(timeline) // TIMELINE_POINTS)
+    return [*timeline[:-1:k], timeline[-1]]
 
 
 class _Held:
