@@ -443,3 +443,12 @@ def test_weibull_plans_size_factors_and_epoch_rules():
         simulate_trials=0,
     )
     assert e.current.saves == 4
+
+
+def test_long_runs_of_step_policies_are_fast_and_too_many_saves_is_an_error():
+    long = save_schedule(Every(steps=1000), total_steps=50_000_000, step_time=1, save_cost=1)
+    assert len(long.points) == 50_000  # beyond MAX_STEPS: only the steps it can fire at
+    with pytest.raises(PlanError, match="--total-steps"):
+        save_schedule(Every(seconds=10), total_steps=50_000_000, step_time=1, save_cost=1)
+    with pytest.raises(PlanError, match="saves more than"):
+        save_schedule(Every(steps=2), total_steps=10_000_000, step_time=1, save_cost=1)

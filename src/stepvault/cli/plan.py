@@ -232,7 +232,7 @@ def _print(doc: dict[str, Any]) -> None:
                 human_bytes(t["bytes_end"]),
                 human_bytes(t["bytes_peak"]),
                 human_bytes(t["bytes_moved_in"]),
-                f"{t['gb_months']:.1f}",
+                f"{t['gb_months']:.3g}",
                 "?" if t["price_per_gb_month"] is None else f"{t['price_per_gb_month']:g}",
                 money(t["cost_run"]),
                 money(t["cost_per_month_after"]),

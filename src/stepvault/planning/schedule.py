@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from ..policy import AnyOf, AtSteps, Every, LastStep, SaveContext, SavePolicy
 from .units import PlanError
 
-__all__ = ["MAX_STEPS", "SavePoint", "Schedule", "every_steps", "save_schedule"]
+__all__ = ["MAX_SAVES", "MAX_STEPS", "SavePoint", "Schedule", "every_steps", "save_schedule"]
 
-#: Driving a policy costs ~1 us per step boundary; beyond this many steps the plan asks for a
-#: coarser description (step time per "step" of several steps) instead of running minutes.
+#: Driving a time- or epoch-based policy costs ~1 us per step boundary; beyond this many
+#: steps the plan asks for a coarser description (a "step" of several steps) instead of
+#: running for minutes.
 MAX_STEPS = 5_000_000
+#: The storage forecast costs ~0.1 ms per save (the real policies, after every save).
+MAX_SAVES = 200_000
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,6 @@ def save_schedule(
     the manager measures it), so ``YoungDaly`` fires at its steady interval. The manager's
     ``save(step, ...)`` is called after ``step`` steps are done, so the first boundary is 1.
     """
-    if total_steps > MAX_STEPS:
-        raise PlanError(
-            f"--total-steps {total_steps} is more step boundaries than a plan drives "
-            f"({MAX_STEPS}); describe the run in coarser steps (e.g. --total-steps "
-            f"{total_steps // 100} with a --step-time 100x longer and the policy's steps / 100)"
-        )
     members = policy.policies if isinstance(policy, AnyOf) else (policy,)
     if not steps_per_epoch and any(isinstance(m, Every) and m.unit == "epochs" for m in members):
         raise PlanError(f"{policy!r} saves by epochs: give --steps-per-epoch N")
@@ -123,6 +120,12 @@ def save_schedule(
     last_time: float | None = None
     measured: float | None = None
     candidates = _candidate_steps(policy, total_steps)
+    if candidates is None and total_steps > MAX_STEPS:
+        raise PlanError(
+            f"--total-steps {total_steps} is more step boundaries than a plan drives "
+            f"({MAX_STEPS}); describe the run in coarser steps (e.g. --total-steps "
+            f"{total_steps // 100} with a --step-time 100x longer and the policy's steps / 100)"
+        )
     boundaries = range(1, total_steps + 1) if candidates is None else candidates
     previous = 0
     for step in boundaries:
@@ -142,6 +145,11 @@ def save_schedule(
         if decision is None:
             continue
         points.append(SavePoint(step, decision.kind, now))
+        if len(points) > MAX_SAVES:
+            raise PlanError(
+                f"{policy!r} saves more than {MAX_SAVES} times in {total_steps} steps; plan a "
+                "policy that saves less often (--save), or a shorter run (--total-steps)"
+            )
         last_step, last_time = step, now
         policy.saved(ctx, decision)
         now += save_cost
