@@ -37,6 +37,7 @@ _LAZY: dict[str, str] = {
     "SaveHandle": ".manager",
     "usage": ".ops",
     "verify": ".ops",
+    "plan": ".planning",
     "AtSteps": ".policy",
     "Every": ".policy",
     "FirstStep": ".policy",
@@ -95,6 +96,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .format.encoding import register_type, unregister_type
     from .manager import CheckpointManager, SaveHandle
     from .ops import usage, verify
+    from .planning import plan
     from .policy import (
         AtSteps,
         Every,
@@ -149,6 +151,7 @@ __all__ = [
     "open",
     "ops",
     "parse_ref",
+    "plan",
     "register_type",
     "restore",
     "save",

@@ -518,6 +518,7 @@ def events_cmd(
 # those modules import heavy optional dependencies inside their commands, not at import).
 # -- command groups: begin
 from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
+from . import plan as _plan  # noqa: E402,F401  (stepvault plan)
 from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)
 from . import tiers as _tiers  # noqa: E402,F401  (tier, tiers ls/add/remove/du)
 
