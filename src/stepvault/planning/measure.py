@@ -13,8 +13,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..catalog.events import read_events
 from ..store import Store
-from ..store.events import read_events
 from .units import PlanError
 
 __all__ = ["Measured", "measure_run"]
@@ -72,8 +72,8 @@ def _steady(values: list[float]) -> list[float]:
 
 
 def _sizes_from_listing(store: Store, run: str) -> dict[str, tuple[int, int]]:
+    from ..catalog.vault import Vault
     from ..tiers.view import read_view
-    from ..vault import Vault
 
     by_kind: dict[str, list[tuple[int, int]]] = {}
     for s in Vault(read_view(store)).checkpoints(run):
