@@ -4,12 +4,12 @@ background writer)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 from ..core.write import check_codec
 from ..engine.gc import DEFAULT_GRACE_SECONDS
+from ..policy.validate import non_negative_real, positive_int, positive_real
 from ..store.lease import DEFAULT_STALE_AFTER
 
 IfBusy = Literal["wait", "skip"]
@@ -19,18 +19,6 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         allowed = " or ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _seconds(name: str, value: float, *, positive: bool) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        need = "a positive" if positive else "a non-negative"
-        raise ValueError(f"{name} must be {need} number of seconds, got {value!r}")
-
-
-def _count(name: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -55,9 +43,10 @@ class ManagerOptions:
         _choice("if_busy", self.if_busy, ("wait", "skip"))
         _choice("best_mode", self.best_mode, ("min", "max"))
         check_codec(self.codec)
-        _seconds("gc_grace_seconds", self.gc_grace_seconds, positive=False)
-        _seconds("lease_stale_after", self.lease_stale_after, positive=True)
-        _count("workers", self.workers)
-        _count("total_steps", self.total_steps)
+        non_negative_real("gc_grace_seconds", self.gc_grace_seconds)
+        positive_real("lease_stale_after", self.lease_stale_after)
+        for name in ("workers", "total_steps"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
         if self.best_metric is not None and not isinstance(self.best_metric, str):
             raise ValueError(f"best_metric must be a metric name, got {self.best_metric!r}")

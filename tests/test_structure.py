@@ -1,0 +1,119 @@
+"""The seams of issue 18 as behaviour: options checked at construction, one candidate
+choice, a manifest parsed once per restore, reused chunks taken from the parent manifest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stepvault
+from stepvault import CheckpointManager, KeepBest
+from stepvault.catalog import CheckpointRecord, choose_candidates
+from stepvault.format import manifest as manifest_format
+from stepvault.store import Store
+
+
+def _state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(256, 256)
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "step": 0}
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("codec", "zst", "codec must be one of"),
+        ("if_busy", "drop", "if_busy must be"),
+        ("gc_grace_seconds", -1, "gc_grace_seconds"),
+        ("lease_stale_after", 0, "lease_stale_after"),
+        ("workers", 0, "workers"),
+        ("total_steps", True, "total_steps"),
+    ],
+)
+def test_bad_option_fails_at_construction_before_the_store_is_touched(
+    tmp_path, option, value, message
+):
+    root = tmp_path / "store"
+    with pytest.raises(ValueError, match=message):
+        CheckpointManager(root, "r", **{option: value})
+    assert not root.exists()  # nothing created, no lease left behind
+
+
+def test_choose_candidates_latest_best_and_exact():
+    recs = [
+        CheckpointRecord(1, 1.0, {"loss": 0.5}),
+        CheckpointRecord(2, 2.0, {"loss": 0.3}, kind="weights"),
+        CheckpointRecord(3, 3.0, valid=False, kind="?"),
+        CheckpointRecord(4, 4.0, {"loss": 0.3}),
+        CheckpointRecord(5, 5.0, {"loss": 0.9}),
+    ]
+    latest = choose_candidates(recs, "latest")
+    assert latest.steps == [5, 4, 3, 1] and latest.fallback  # damaged kept: reported
+    assert choose_candidates(recs, "latest", full_only=False).steps == [5, 4, 3, 2, 1]
+    best = choose_candidates(recs, "best", best=("loss", "min"))
+    assert best.steps == [4, 2, 1, 5]  # a tie goes to the newer checkpoint
+    assert choose_candidates(recs, "best", best=("loss", "max")).steps == [5, 1, 4, 2]
+    exact = choose_candidates(recs, 3)
+    assert exact.steps == [3] and not exact.fallback
+    with pytest.raises(ValueError, match="needs a metric"):
+        choose_candidates(recs, "best")
+
+
+def test_manager_best_step_and_restore_best_agree(tmp_path):
+    state = _state()
+    with CheckpointManager(tmp_path, "r", keep=KeepBest(5, metric="loss")) as mgr:
+        for step, loss in [(1, 0.4), (2, 0.2), (3, 0.2), (4, 0.8)]:
+            mgr.save(step, state, metrics={"loss": loss})
+        mgr.wait()
+        assert mgr.best_step == 3
+        assert mgr.restore(_state(1), "best").step == 3
+
+
+@pytest.fixture
+def count_parses(monkeypatch):
+    calls: list[int] = []
+    real = manifest_format._from_json
+
+    def counting(doc):
+        calls.append(doc.get("step") if isinstance(doc, dict) else None)
+        return real(doc)
+
+    monkeypatch.setattr(manifest_format, "_from_json", counting)
+    return calls
+
+
+def test_a_restore_parses_the_manifest_it_restores_once(tmp_path, count_parses):
+    state = _state()
+    for step in (1, 2, 3):
+        stepvault.save(tmp_path, state, run="r", step=step)
+    count_parses.clear()
+    assert stepvault.restore(tmp_path, _state(1), run="r").step == 3
+    assert count_parses == [3]
+    with CheckpointManager(tmp_path, "r", lineage=False) as mgr:
+        count_parses.clear()
+        assert mgr.restore(_state(1)).step == 3
+        assert count_parses == [3]  # the listing came from the summary cache
+
+
+def test_a_second_save_takes_reused_chunks_from_the_parent_manifest(tmp_path, monkeypatch):
+    state = _state()
+    stepvault.save(tmp_path, state, run="r", step=1)
+    lookups: list[str] = []
+    for name in ("object_size", "has_object"):
+        real = getattr(Store, name)
+
+        def spy(self, digest, _real=real, _name=name):
+            lookups.append(_name)
+            return _real(self, digest)
+
+        monkeypatch.setattr(Store, name, spy)
+    info = stepvault.save(tmp_path, state, run="r", step=2)
+    assert info.new_bytes == 0 and info.objects > 0
+    assert "object_size" not in lookups  # sizes and codecs come from the parent manifest
+    assert lookups.count("has_object") <= info.objects  # only the post-write re-check
+    with CheckpointManager(tmp_path, "r", lineage=False, async_save=False) as mgr:
+        mgr.restore(state)
+        lookups.clear()
+        mgr.save(3, state)
+        assert "object_size" not in lookups
+    assert stepvault.ops.verify(tmp_path, deep=True).ok
