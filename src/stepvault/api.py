@@ -19,6 +19,7 @@ import torch
 
 from ._env import environment
 from .engine import CheckpointReader, HostArray, PendingArray, to_host, write_checkpoint
+from .engine.attachments import add_attachments
 from .errors import (
     CheckpointNotFoundError,
     CorruptObjectError,
@@ -237,6 +238,7 @@ def save(
     collective: bool | None = None,
     lineage: Lineage | None = None,
     signer: Signer | None = None,
+    attachments: Mapping[str, Any] | None = None,
 ) -> SaveInfo:
     """Save ``state`` as checkpoint ``run@step`` in the store at ``root`` (created if absent).
 
@@ -258,7 +260,9 @@ def save(
 
     ``lineage`` (a :class:`stepvault.Lineage`, e.g. ``Lineage.capture(config)``) is stored
     with the run and linked from the manifest; ``signer`` signs the manifest (default:
-    ``$STEPVAULT_SIGNING_KEY`` when set).
+    ``$STEPVAULT_SIGNING_KEY`` when set). ``attachments`` maps file names to bytes or file
+    paths (``{"config.json": "out/config.json"}``): small files stored with the checkpoint
+    (see :mod:`stepvault.engine.attachments`).
     """
     t0 = time.perf_counter()
     if codec is not None and codec not in CODEC_CHOICES:
@@ -274,6 +278,9 @@ def save(
         root = store
     if _collective(state, collective):
         from .distributed.api import save_state
+
+        if attachments:  # issue 19: attachments are written by single-process saves only
+            raise ValueError("attachments are not supported by multi-rank saves yet")
 
         save_state(
             root,
@@ -313,6 +320,7 @@ def save(
     )
     host = {name: to_host(value) for name, value in snapshot.arrays.items()}
     store = open_store_for_writing(root)
+    add_attachments(store, manifest, attachments)  # issue 19: attachments
     info = write_manifest(store, manifest, host, codec=codec, overwrite=overwrite, workers=workers)
     return dataclasses.replace(info, seconds=time.perf_counter() - t0)
 

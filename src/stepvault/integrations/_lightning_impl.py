@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ._attachments import hparams_files
 from ._common import (
     PolicySignals,
     finite_metrics,
@@ -452,6 +453,8 @@ class CheckpointMixin:
                     metrics=metrics,
                     metadata=metadata,
                     force=due is None,
+                    # issue 19: hparams.json/yaml, for `stepvault export`
+                    attachments=hparams_files(checkpoint.get("hyper_parameters")),
                 )
             except UnsupportedTypeError as exc:
                 raise UnsupportedTypeError(

@@ -31,6 +31,7 @@ from ..api import (
 )
 from ..distributed.state import distributed_active
 from ..engine import to_host
+from ..engine.attachments import add_attachments
 from ..engine.background import BackgroundWriter
 from ..engine.gc import DEFAULT_GRACE_SECONDS, sweep
 from ..engine.staging_area import StagingArea
@@ -438,8 +439,13 @@ class CheckpointManager:
         metadata: Any = None,
         force: bool = False,
         kind: str | None = None,
+        attachments: Mapping[str, Any] | None = None,
     ) -> SaveHandle | None:
         """Save ``state`` at ``step`` if the policy says so (always with ``force=True``).
+
+        ``attachments`` maps file names to bytes or file paths (read now): small files
+        stored with the checkpoint, e.g. ``{"config.json": model.config.to_json_string()
+        .encode()}`` (see :mod:`stepvault.engine.attachments`).
 
         Returns None when no save is due, else a :class:`SaveHandle`. With ``async_save``
         it returns as soon as the tensors are copied to host buffers; the write, commit
@@ -460,6 +466,8 @@ class CheckpointManager:
         if decision is None:
             return None
         ctx = self._context(step, epoch)
+        if self._dist and attachments:  # issue 19: single-process (or rank-local) saves only
+            raise ValueError("attachments are not supported by multi-rank saves yet")
         if self._dist:
             return self._save_collective(step, state, ctx, decision, epoch, metrics)
         if self._local_only:
@@ -486,6 +494,7 @@ class CheckpointManager:
                 metadata=metadata,
                 lineage=self._lineage_ref(),
             )
+            add_attachments(self.store, manifest, attachments)  # issue 19: attachments
             if background:
                 host = self._staging.stage(snapshot.arrays)
             else:
