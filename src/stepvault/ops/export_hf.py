@@ -430,9 +430,7 @@ def verify_export(
         have = {e["path"]: e["blake3"] for e in files}
         listed_want = {n: h for n, h in want.items() if n != EXPORT_RECORD}
         if listed_want != have:
-            changed = sorted(
-                n for n in {*listed_want, *have} if listed_want.get(n) != have.get(n)
-            )
+            changed = sorted(n for n in {*listed_want, *have} if listed_want.get(n) != have.get(n))
             problems.append(f"{EXPORT_RECORD} differs from the registry's record: {changed}")
         files = [{"path": n, "blake3": h} for n, h in want.items()]
     listed = {e["path"] for e in files}
