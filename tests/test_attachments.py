@@ -61,6 +61,10 @@ def test_saved_attachments_are_verified_objects_deduplicated_across_saves(tmp_pa
     # Older readers keep the objects alive: the manifest's objects table lists them.
     m = stepvault.open(str(root)).manifest("r", 2)
     assert two["tokenizer.json"].digest in m.objects
+    from stepvault.ops import collect_garbage
+
+    assert collect_garbage(store, grace_seconds=0).sweep.deleted == []
+    assert two["tokenizer.json"].read() == tok.read_bytes()
     # A changed byte in the stored object is caught (by verify and by reading it).
     digest = two["tokenizer.json"].digest
     path = root / "objects" / digest[:2] / digest

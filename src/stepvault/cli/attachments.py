@@ -29,7 +29,11 @@ def attachments_json(store: Store, run: str, step: int) -> list[dict[str, Any]]:
 
 def print_attachments(store: Store, run: str, step: int) -> None:
     """One line per attachment, for ``stepvault show``."""
-    rows = _attachments(store, run, step)
+    try:
+        rows = _attachments(store, run, step)
+    except StepvaultError as exc:  # a damaged attachment record: say so, show the rest
+        console.print(f"[red]attachments: {exc}[/]", highlight=False)
+        return
     if not rows:
         return
     shown = ", ".join(

@@ -225,12 +225,14 @@ def _model_card(existing: bytes | None, prov: dict[str, Any], report: FolderExpo
     return "\n".join(front + title + lines).encode() + b"\n"
 
 
-def _stored_float_dtype(vault: Vault, run: str, step: int, module: str | None) -> str | None:
-    for _name, load in weight_tensors(vault, run, step, module):
-        t = load()
-        if t.is_floating_point():
-            return str(t.dtype).removeprefix("torch.")
-    return None
+def _stored_float_dtype(m: Any) -> str | None:
+    """The first floating dtype among the modules' stored tensors (from the manifest only:
+    an optimizer's float32 moments must not decide the dtype of bfloat16 weights)."""
+    modules = tuple(k + "/" for k, v in m.state_kinds.items() if v == "module")
+    dtypes = [t.dtype for n, t in m.tensors.items() if n.startswith(modules)]
+    if m.sharded:
+        dtypes += [e["dtype"] for e in m.sharded["entries"].values() if e["type"] == "tensor"]
+    return next((d for d in dtypes if d.startswith(("float", "bfloat"))), None)
 
 
 def export_folder(
@@ -293,7 +295,7 @@ def export_folder(
             tensors=weights.tensors,
             total_bytes=weights.total_bytes,
             cast=dtype,
-            dtype=dtype or _stored_float_dtype(vault, run, step, module),
+            dtype=dtype or _stored_float_dtype(m),
             quantization=weights.quantization,
             tied=tied,
         )
