@@ -175,3 +175,21 @@ def test_int8_hf_export_is_marked_lossy(tmp_path):
     assert config["stepvault_quantization"]["lossy"] is True
     assert "LOSSY" in (out / "README.md").read_text()
     assert load_file(out / "model.safetensors")["weight"].dtype == torch.int8
+
+
+def test_a_damaged_attachment_record_is_an_error_not_a_fallback(tmp_path):
+    root = tmp_path / "s"
+    stepvault.save(root, {"model": _model()}, run="r", step=1, attachments={"a.json": b"{}"})
+    (tmp_path / "a.json").write_bytes(b'{"newer": true}')
+    assert cli(root, "attach", "r@1", str(tmp_path / "a.json")).exit_code == 0
+    store = Store.open(str(root))
+    assert checkpoint_attachments(store, "r", 1)["a.json"].read() == b'{"newer": true}'
+    key = root / "runs" / "r" / "attachments" / "1.1.json"
+    record = json.loads(key.read_text())
+    record["files"]["a.json"]["data"] = "eyJvbGRlciI6IHRydWV9"  # other bytes, same hash
+    key.write_text(json.dumps(record))
+    with pytest.raises(AttachmentError, match="does not match its hash"):
+        checkpoint_attachments(store, "r", 1)
+    res = cli(root, "export", "r@1", "-o", str(tmp_path / "out"), "--format", "folder")
+    assert res.exit_code == 2 and "does not match its hash" in said(res)
+    assert "does not match its hash" in said(cli(root, "show", "r@1"))

@@ -154,8 +154,9 @@ def _set_dtype(config: dict[str, Any], dtype: str | None) -> None:
     """Record the weights' dtype under the key the config's transformers version uses."""
     if dtype is None:
         return
-    version = str(config.get("transformers_version", "5"))
-    key = "torch_dtype" if "torch_dtype" in config or version.split(".")[0] < "5" else "dtype"
+    major = str(config.get("transformers_version", "5")).split(".")[0]
+    old = "torch_dtype" in config or (major.isdigit() and int(major) < 5)
+    key = "torch_dtype" if old else "dtype"  # transformers 5 renamed torch_dtype to dtype
     config.pop("dtype" if key == "torch_dtype" else "torch_dtype", None)
     config[key] = dtype
 
