@@ -29,8 +29,10 @@ from transformers import (  # noqa: E402
 )
 from typer.testing import CliRunner  # noqa: E402
 
+import stepvault  # noqa: E402
 from stepvault import Every  # noqa: E402
 from stepvault.cli.main import app  # noqa: E402
+from stepvault.integrations._attachments import transformers_files  # noqa: E402
 from stepvault.integrations.transformers import StepvaultCallback, StepvaultTrainer  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(56)]
@@ -281,3 +283,24 @@ def test_bert_export_round_trip(tmp_path):
         assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
     decoder = loaded.cls.predictions.decoder.weight
     assert decoder.data_ptr() == loaded.bert.embeddings.word_embeddings.weight.data_ptr()
+
+
+def test_untied_head_is_kept_and_reloads_untied(tmp_path):
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=2,
+        eos_token_id=3, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config).eval()
+    root = tmp_path / "s"
+    stepvault.save(root, {"model": model}, run="u", step=1, attachments=transformers_files(model))
+    out = tmp_path / "out"
+    assert cli(root, "export", "u@1", "-o", str(out)).exit_code == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in set(f.keys())
+    loaded, messages = load_quietly(AutoModelForCausalLM.from_pretrained, out)
+    assert messages == []
+    assert loaded.lm_head.weight.data_ptr() != loaded.transformer.wte.weight.data_ptr()
+    ids = torch.tensor([[4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
