@@ -96,6 +96,9 @@ def show_cmd(
     if as_json:
         doc = m.to_json()
         doc.pop("state", None)
+        from .attachments import attachments_json  # issue 19: with later attached files
+
+        doc["attachments"] = attachments_json(ckpt.store, m.run, m.step)
         if not tensors:
             doc["tensors"] = len(m.tensors)
             doc["objects"] = len(m.objects)
@@ -115,6 +118,9 @@ def show_cmd(
         console.print("metrics: " + ", ".join(f"{k}={v:.6g}" for k, v in m.metrics.items()))
     console.print("state: " + ", ".join(f"{k} ({v})" for k, v in m.state_kinds.items()))
     console.print(f"environment: {m.environment}", highlight=False)
+    from .attachments import print_attachments  # issue 19
+
+    print_attachments(ckpt.store, m.run, m.step)
     if tensors:
         table = Table("tensor", "dtype", "shape", "bytes", "chunks")
         for name, t in m.tensors.items():
@@ -303,16 +309,27 @@ def export_cmd(
         str | None,
         typer.Option(help="LOSSY: 'int8' = per-channel int8 weights (+ '.scale' tensors)."),
     ] = None,
+    export_format: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="hf (a from_pretrained folder; default when config.json is attached), "
+            "folder (weights + attachments + card), safetensors (weights only).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Export weights as safetensors (one file, or an HF-style sharded set with an index)."""
+    """Export a checkpoint: a deployable model folder, or weights as safetensors."""
+    from ..ops.export_hf import export_checkpoint  # issue 19: one exporter for every format
+
     try:
         run, step = parse_ref(ref)
-        report = _ops().export_weights(
+        report = export_checkpoint(
             Store.open(_root(root)),
             run,
             step,
             output,
+            format=export_format,
             module=module,
             dtype=dtype,
             include=include,
@@ -324,9 +341,11 @@ def export_cmd(
         return _fail(exc)
     if as_json:
         return _emit_json(report.to_json())
+    files = [f["path"] if isinstance(f, dict) else f for f in report.files]
+    where = f"{report.out} ({report.format}: {', '.join(files)})" if hasattr(report, "out") else ""
     console.print(
         f"exported {report.tensors} tensors ({human_bytes(report.total_bytes)}) to "
-        f"{', '.join(report.files)}",
+        f"{where or ', '.join(files)}",
         highlight=False,
     )
     if report.quantization:
@@ -517,6 +536,7 @@ def events_cmd(
 # Command groups kept in their own modules register on ``app`` when imported (one line each;
 # those modules import heavy optional dependencies inside their commands, not at import).
 # -- command groups: begin
+from . import attachments as _attachments  # noqa: E402,F401  (attach, diff, verify-export)
 from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
 from . import plan as _plan  # noqa: E402,F401  (stepvault plan)
 from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)

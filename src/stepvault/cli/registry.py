@@ -77,16 +77,22 @@ def annotate_cmd(
 
 
 def _export_info(store: Store, run: str, step: int, out: str, **options: Any) -> dict[str, Any]:
-    from blake3 import blake3
+    """Export with the same exporter as ``stepvault export``; the record keeps every file's
+    BLAKE3 (``name`` relative to the folder) for ``stepvault verify-export``."""
+    from ..ops.export_hf import export_checkpoint, file_blake3
 
-    report = _ops().export_weights(store, run, step, out, **options)
-    files = []
-    for path in report.files:
-        h = blake3(max_threads=blake3.AUTO)
-        with open(path, "rb") as f:
-            while block := f.read(1 << 24):
-                h.update(block)
-        files.append({"path": os.path.abspath(path), "blake3": h.hexdigest()})
+    report = export_checkpoint(store, run, step, out, **options)
+    if isinstance(report.files[0], dict):  # a model folder (hf / folder formats)
+        names = [f["path"] for f in report.files] + ["stepvault-export.json"]
+        paths = [os.path.join(report.out, n) for n in names]
+        options = {**options, "format": report.format}
+    else:
+        paths = list(report.files)
+        names = [os.path.basename(p) for p in paths]
+    files = [
+        {"path": os.path.abspath(p), "name": n, "blake3": file_blake3(p)}
+        for p, n in zip(paths, names)
+    ]
     return {
         "files": files,
         "tensors": report.tensors,
@@ -95,6 +101,14 @@ def _export_info(store: Store, run: str, step: int, out: str, **options: Any) ->
         "quantization": {k: v for k, v in (report.quantization or {}).items() if k != "per_tensor"}
         or None,
     }
+
+
+ExportFormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format", help="With --export: hf, folder or safetensors (default: see export)."
+    ),
+]
 
 
 @app.command("register")
@@ -107,6 +121,7 @@ def register_cmd(
     dtype: Annotated[str | None, typer.Option(help="With --export: cast floats.")] = None,
     quantize: Annotated[str | None, typer.Option(help="With --export: 'int8' (lossy).")] = None,
     module: Annotated[str | None, typer.Option(help="With --export: module to export.")] = None,
+    export_format: ExportFormatOpt = None,
     note: Annotated[str, typer.Option(help="Free text kept with the version.")] = "",
     key: KeyOpt = None,
     root: RootOpt = None,
@@ -119,7 +134,14 @@ def register_cmd(
         info = None
         if export:
             info = _export_info(
-                store, run, step, export, dtype=dtype, quantize=quantize, module=module
+                store,
+                run,
+                step,
+                export,
+                dtype=dtype,
+                quantize=quantize,
+                module=module,
+                format=export_format,
             )
         version = Registry(store, signer=_signer(key)).register(
             model, run, step, note=note, export=info
@@ -137,6 +159,13 @@ def promote_cmd(
     model: Annotated[str, typer.Argument(help="Model name (created on first use).")],
     target: Annotated[str, typer.Argument(help="RUN@STEP, or an existing version as vN.")],
     alias: Annotated[str, typer.Option("--alias", "-a", help="e.g. candidate, stable.")],
+    export: Annotated[
+        str | None,
+        typer.Option("--export", help="RUN@STEP target: export it to DIR for this version."),
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="With --export: cast floats.")] = None,
+    quantize: Annotated[str | None, typer.Option(help="With --export: 'int8' (lossy).")] = None,
+    export_format: ExportFormatOpt = None,
     note: Annotated[str, typer.Option(help="Why (kept in the history).")] = "",
     key: KeyOpt = None,
     root: RootOpt = None,
@@ -144,7 +173,21 @@ def promote_cmd(
 ) -> None:
     """Point MODEL@ALIAS at a checkpoint (registering it as a new version if needed)."""
     try:
-        move = Registry(_root(root), signer=_signer(key)).promote(model, target, alias, note=note)
+        registry = Registry(_root(root), signer=_signer(key))
+        if export:  # the same exporter as 'register --export'; the version records the files
+            run, step = _exact(target)
+            info = _export_info(
+                registry.store,
+                run,
+                step,
+                export,
+                dtype=dtype,
+                quantize=quantize,
+                format=export_format,
+            )
+            version = registry.register(model, run, step, note=note, export=info)
+            target = f"v{version.version}"
+        move = registry.promote(model, target, alias, note=note)
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
     if as_json:

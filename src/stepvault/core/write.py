@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._env import environment
+from ..catalog.attachments import add_attachments
 from ..catalog.lineage import Lineage, write_lineage
 from ..catalog.summaries import record_commit
 from ..engine import HostArray, to_host, write_checkpoint
@@ -155,6 +156,7 @@ def save(
     collective: bool | None = None,
     lineage: Lineage | None = None,
     signer: Signer | None = None,
+    attachments: Mapping[str, Any] | None = None,
 ) -> SaveInfo:
     """Save ``state`` as checkpoint ``run@step`` in the store at ``root`` (created if absent).
 
@@ -176,7 +178,9 @@ def save(
 
     ``lineage`` (a :class:`stepvault.Lineage`, e.g. ``Lineage.capture(config)``) is stored
     with the run and linked from the manifest; ``signer`` signs the manifest (default:
-    ``$STEPVAULT_SIGNING_KEY`` when set).
+    ``$STEPVAULT_SIGNING_KEY`` when set). ``attachments`` maps file names to bytes or file
+    paths (``{"config.json": "out/config.json"}``): small files stored with the checkpoint
+    (see :mod:`stepvault.catalog.attachments`).
     """
     t0 = time.perf_counter()
     check_codec(codec)
@@ -193,6 +197,11 @@ def save(
     if is_collective(state, collective):
         from ..distributed.api import save_state
 
+        if attachments:
+            raise ValueError(
+                "attachments are not supported by multi-rank saves yet: save them from one "
+                "process (stepvault attach RUN@STEP FILE after the save)"
+            )
         save_state(
             target,
             state,
@@ -220,5 +229,6 @@ def save(
     )
     host = {name: to_host(value) for name, value in snapshot.arrays.items()}
     store = open_store_for_writing(target)
+    add_attachments(store, manifest, attachments)
     info = write_manifest(store, manifest, host, codec=codec, overwrite=overwrite, workers=workers)
     return dataclasses.replace(info, seconds=time.perf_counter() - t0)

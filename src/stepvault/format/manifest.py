@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import InvalidNameError, ManifestError, StoreVersionError
 from ..store.names import validate_run_name
+from .attachments import AttachmentEntry, parse_attachments
 from .dtypes import dtype_info
 from .hashing import content_hash
 from .objects import MAX_RAW_SIZE
@@ -84,6 +85,10 @@ class Manifest:
     sharded: dict[str, Any] | None = None
     #: BLAKE3 of the run's lineage record (``runs/<run>/lineage/<hash>.json``), if recorded
     lineage: str | None = None
+    #: small files saved with the checkpoint (FORMAT.md §4); their objects are in ``objects``
+    attachments: dict[str, AttachmentEntry] = field(default_factory=dict)
+    #: table entries of the attachment objects, merged into ``objects`` when serialised
+    attachment_objects: dict[str, ObjectEntry] = field(default_factory=dict, repr=False)
 
     @property
     def logical_bytes(self) -> int:
@@ -112,11 +117,18 @@ class Manifest:
             "state_kinds": self.state_kinds,
             "state": self.state,
             "tensors": {k: v.to_json() for k, v in self.tensors.items()},
-            "objects": {k: v.to_json() for k, v in self.objects.items()},
+            "objects": {
+                k: v.to_json() for k, v in {**self.attachment_objects, **self.objects}.items()
+            },
             "stats": self.stats,
             "environment": self.environment,
             **({"sharded": self.sharded} if self.sharded is not None else {}),
             **({"lineage": self.lineage} if self.lineage is not None else {}),
+            **(
+                {"attachments": {k: v.to_json() for k, v in self.attachments.items()}}
+                if self.attachments
+                else {}
+            ),
         }
 
 
@@ -254,6 +266,7 @@ def _from_json(doc: dict[str, Any]) -> Manifest:
         environment=dict(doc.get("environment") or {}),
         sharded=sharded,
         lineage=lineage,
+        attachments=parse_attachments(doc.get("attachments"), objects),
     )
 
 

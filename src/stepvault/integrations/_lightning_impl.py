@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ._attachments import hparams_files
 from ._common import (
     PolicySignals,
     finite_metrics,
@@ -32,7 +33,7 @@ from ._common import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-from .. import __version__
+from .._version import __version__
 from ..api import RestoreInfo
 from ..errors import StepvaultError, UnsupportedTypeError
 from ..manager import CheckpointManager
@@ -452,6 +453,8 @@ class CheckpointMixin:
                     metrics=metrics,
                     metadata=metadata,
                     force=due is None,
+                    # issue 19: hparams.json/yaml, for `stepvault export`
+                    attachments=hparams_files(checkpoint.get("hyper_parameters")),
                 )
             except UnsupportedTypeError as exc:
                 raise UnsupportedTypeError(

@@ -53,7 +53,7 @@ except ImportError as exc:
         missing_framework("accelerate", "Hugging Face Accelerate", "accelerate")
     ) from exc
 
-from .. import __version__
+from .._version import __version__
 from ..api import RestoreInfo, restore, save
 from ..errors import StepvaultError
 from ..manager import CheckpointManager, SaveHandle

@@ -64,12 +64,13 @@ except ImportError as exc:
         missing_framework("transformers", "Hugging Face Transformers", "transformers")
     ) from exc
 
-from .. import __version__
+from .._version import __version__
 from ..api import RestoreInfo
 from ..errors import StepvaultError
 from ..manager import CheckpointManager
 from ..policy import KeepPolicy, SavePolicy
 from ..state import RNGState
+from ._attachments import transformers_files
 
 __all__ = ["StepvaultCallback", "StepvaultTrainer", "StepvaultTrainerMixin"]
 
@@ -404,7 +405,14 @@ class StepvaultTrainerMixin:
             # Without a save policy the Trainer's save_strategy decided: always save.
             force=cb.save_policy is None,
             kind="weights" if self.args.save_only_model else None,
+            # issue 19: config, generation config and tokenizer files, for `stepvault export`
+            attachments=transformers_files(self.model, _processing_class(self)),
         )
+
+
+def _processing_class(trainer: Any) -> Any:
+    """The Trainer's tokenizer/processor (``processing_class``; ``tokenizer`` before 4.46)."""
+    return getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
 
 
 class StepvaultTrainer(StepvaultTrainerMixin, Trainer):

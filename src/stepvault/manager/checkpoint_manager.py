@@ -296,8 +296,13 @@ class CheckpointManager:
         metadata: Any = None,
         force: bool = False,
         kind: str | None = None,
+        attachments: Mapping[str, Any] | None = None,
     ) -> SaveHandle | None:
         """Save ``state`` at ``step`` if the policy says so (always with ``force=True``).
+
+        ``attachments`` maps file names to bytes or file paths (read now): small files
+        stored with the checkpoint, e.g. ``{"config.json": model.config.to_json_string()
+        .encode()}`` (see :mod:`stepvault.catalog.attachments`).
 
         Returns None when no save is due, else a :class:`SaveHandle`. With ``async_save``
         it returns as soon as the tensors are copied to host buffers; the write, commit
@@ -319,7 +324,13 @@ class CheckpointManager:
             return None
         ctx = self._context(step, epoch)
         handle = self._pipeline.run(
-            step, state, decision, epoch=epoch, metrics=metrics, metadata=metadata
+            step,
+            state,
+            decision,
+            epoch=epoch,
+            metrics=metrics,
+            metadata=metadata,
+            attachments=attachments,
         )
         if handle is None:
             return None

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..catalog.attachments import add_attachments
 from ..core.info import SaveInfo
 from ..core.values import encode_metrics
 from ..core.write import new_manifest, write_manifest
@@ -65,6 +66,7 @@ class LocalWriter:
         metrics: Mapping[str, Any] | None,
         metadata: Any,
         background: bool,
+        attachments: Mapping[str, Any] | None = None,
     ) -> Staged | None:
         s = self.session
         t0 = time.perf_counter()
@@ -81,6 +83,7 @@ class LocalWriter:
                 metadata=metadata,
                 lineage=s.lineage_ref(),
             )
+            add_attachments(s.store, manifest, attachments)  # small files, written now
             if background:
                 host = self.staging.stage(snapshot.arrays)
             else:
@@ -142,8 +145,14 @@ class CollectiveWriter:
         metrics: Mapping[str, Any] | None,
         metadata: Any,
         background: bool,
+        attachments: Mapping[str, Any] | None = None,
     ) -> Staged | None:
         s = self.session
+        if attachments:
+            raise ValueError(
+                "attachments are not supported by multi-rank saves yet: save them from one "
+                "process (stepvault attach RUN@STEP FILE after the save)"
+            )
         background = background and self.async_saver is not None
         t0 = time.perf_counter()
         part = weights_only(state) if decision.kind == "weights" else state
@@ -239,6 +248,7 @@ class SavePipeline:
         epoch: int | None,
         metrics: Mapping[str, Any] | None,
         metadata: Any,
+        attachments: Mapping[str, Any] | None = None,
     ) -> SaveHandle | None:
         """Start the save ``decision`` asked for; None when it was skipped or failed (and
         the failure only warned)."""
@@ -253,6 +263,7 @@ class SavePipeline:
             metrics=metrics,
             metadata=metadata,
             background=background,
+            attachments=attachments,
         )
         if staged is None:
             return None

@@ -207,6 +207,7 @@ def _export(
     strip_prefix: str | None = None,
     max_shard_size: int | str = "5GB",
     quantize: str | None = None,
+    exclude: frozenset[str] = frozenset(),
 ) -> ExportReport:
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
@@ -228,6 +229,8 @@ def _export(
             continue
         if strip_prefix and name.startswith(strip_prefix):
             name = name[len(strip_prefix) :]
+        if name in exclude:  # tied weights an HF folder leaves out (ops/export_hf.py)
+            continue
         t = load()
         pieces = {name: t}
         if quantize and t.dtype in _CASTABLE and t.dim() >= 2 and t.shape[0] > 0:

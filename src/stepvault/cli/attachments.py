@@ -1,0 +1,192 @@
+"""Attachment and deployment commands: attach, attachments, diff, verify-export."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..catalog.events import log_event
+from ..catalog.vault import parse_ref
+from ..errors import StepvaultError
+from ..store import Store
+from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
+
+
+def _attachments(store: Store, run: str, step: int) -> dict[str, Any]:
+    from ..catalog.attachments import checkpoint_attachments
+
+    return checkpoint_attachments(store, run, step)
+
+
+def attachments_json(store: Store, run: str, step: int) -> list[dict[str, Any]]:
+    """The attachments of ``run@step`` (saved with it and attached later) as JSON rows."""
+    return [a.to_json() for a in _attachments(store, run, step).values()]
+
+
+def print_attachments(store: Store, run: str, step: int) -> None:
+    """One line per attachment, for ``stepvault show``."""
+    try:
+        rows = _attachments(store, run, step)
+    except StepvaultError as exc:  # a damaged attachment record: say so, show the rest
+        console.print(f"[red]attachments: {exc}[/]", highlight=False)
+        return
+    if not rows:
+        return
+    shown = ", ".join(
+        f"{a.name} ({human_bytes(a.size)}{'' if a.origin == 'checkpoint' else ', attached later'})"
+        for a in rows.values()
+    )
+    console.print(f"attachments: {shown}", highlight=False)
+
+
+def _resolve(store: Store, ref: str) -> tuple[str, int]:
+    run, step = parse_ref(ref)
+    if step in (None, "latest"):
+        steps = store.list_steps(run)
+        if not steps:
+            raise StepvaultError(f"run {run!r} has no checkpoints")
+        step = steps[-1]
+    if not isinstance(step, int):
+        raise StepvaultError(f"{ref!r}: name a checkpoint as RUN@STEP")
+    return run, step
+
+
+@app.command("attach")
+def attach_cmd(
+    ref: Annotated[str, typer.Argument(help="RUN@STEP to attach the files to.")],
+    files: Annotated[list[str], typer.Argument(help="Files (NAME=PATH to store under NAME).")],
+    note: Annotated[str, typer.Option(help="Free text kept with the record.")] = "",
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Attach small files (config.json, tokenizer files...) to a committed checkpoint.
+
+    The manifest is not rewritten (its hash is what annotations, signatures and the
+    registry refer to): an attachment record is added next to it (FORMAT.md §8)."""
+    from ..catalog.attachments import attach_after
+
+    try:
+        store = Store.open(_root(root))
+        run, step = _resolve(store, ref)
+        sources: dict[str, str] = {}
+        for item in files:
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = os.path.basename(item), item
+            sources[name] = path
+        record = attach_after(store, run, step, sources, note=note)
+        log_event(store, run, "attach", step=step, files=sorted(record["files"]), note=note)
+    except (StepvaultError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        return _emit_json(record)
+    console.print(
+        f"attached {', '.join(record['files'])} to {run}@{step} ({record['key']})",
+        highlight=False,
+    )
+    return None
+
+
+@app.command("diff")
+def diff_cmd(
+    before: Annotated[str, typer.Argument(help="RUN@STEP (the older one).")],
+    after: Annotated[str, typer.Argument(help="RUN@STEP (the newer one).")],
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compare two checkpoints: their attachments, and which tensors changed (by content)."""
+    from ..catalog.attachments import diff_attachments
+    from ..format import parse_manifest
+
+    try:
+        store = Store.open(_root(root))
+        (ra, sa), (rb, sb) = _resolve(store, before), _resolve(store, after)
+        files = diff_attachments(_attachments(store, ra, sa), _attachments(store, rb, sb))
+        ma = parse_manifest(store.read_manifest(ra, sa), before)
+        mb = parse_manifest(store.read_manifest(rb, sb), after)
+    except StepvaultError as exc:
+        return _fail(exc)
+    tensors = []
+    for name in sorted({*ma.tensors, *mb.tensors}):
+        a, b = ma.tensors.get(name), mb.tensors.get(name)
+        if a is None or b is None:
+            status = "added" if a is None else "removed"
+        elif (a.dtype, a.shape) != (b.dtype, b.shape):
+            status = "changed"
+        else:
+            # Same chunk references: same bytes (content addressing). Different references
+            # may still hold equal bytes (a small tensor moved inside a bundle): "changed"
+            # is then conservative, never wrong in the other direction.
+            status = "same" if a.chunks == b.chunks else "changed"
+        tensors.append({"name": name, "status": status})
+    if as_json:
+        return _emit_json({"attachments": files, "tensors": tensors})
+    table = Table("attachment", "status", "before", "after", title=f"{before} -> {after}")
+    for row in files:
+        table.add_row(
+            row["name"],
+            row["status"],
+            (row["before"] or {}).get("blake3", "")[:12],
+            (row["after"] or {}).get("blake3", "")[:12],
+        )
+    console.print(table)
+    counts: dict[str, int] = {}
+    for t in tensors:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    console.print(f"tensors: {json.dumps(counts)}", highlight=False)
+    return None
+
+
+@app.command("verify-export")
+def verify_export_cmd(
+    folder: Annotated[str, typer.Argument(help="An exported model folder.")],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="MODEL, MODEL@ALIAS or MODEL@vN: also check against the file hashes the "
+            "registry recorded for that version (needs the store: --root).",
+        ),
+    ] = None,
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-hash every file of an exported folder; exits 1 if any changed, went missing or was
+    added."""
+    from ..ops.export_hf import verify_export
+
+    try:
+        expected = None
+        if model is not None:
+            from ..registry import Registry
+
+            version = Registry(_root(root)).resolve(model)
+            if not version.export:
+                raise StepvaultError(
+                    f"{model} (v{version.version}) was registered without --export: the "
+                    "registry has no file hashes to check against"
+                )
+            expected = version.export["files"]
+        check = verify_export(folder, expected)
+    except (StepvaultError, OSError) as exc:
+        return _fail(exc)
+    if as_json:
+        _emit_json(check.to_json())
+    else:
+        src = check.source or {}
+        for p in check.problems:
+            console.print(f"[red]CHANGED[/]  {p}", highlight=False)
+        verdict = "[green]ok[/]" if check.ok else "[red]FAILED[/]"
+        against = "the registry's record" if check.anchored else "its stepvault-export.json"
+        console.print(
+            f"{verdict} {folder}: {check.checked} files checked against {against} "
+            f"(from {src.get('run')}@{src.get('step')})",
+            highlight=False,
+        )
+    if not check.ok:
+        raise typer.Exit(1)
+    return None
