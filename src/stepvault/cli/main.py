@@ -520,6 +520,7 @@ def events_cmd(
 from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
 from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)
 from . import tiers as _tiers  # noqa: E402,F401  (tier, tiers ls/add/remove/du)
+from . import ui as _ui  # noqa: E402,F401  (ui: imports the web stack only when run)
 
 # -- command groups: end
 
