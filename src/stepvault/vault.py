@@ -144,8 +144,9 @@ class Vault:
             step = steps[-1]
         return Checkpoint(self.store, self.manifest(run, int(step)))
 
-    def checkpoints(self, run: str) -> list[CheckpointSummary]:
-        """Summaries of every checkpoint of ``run`` (damaged manifests show their error).
+    def checkpoints(self, run: str, steps: list[int] | None = None) -> list[CheckpointSummary]:
+        """Summaries of every checkpoint of ``run`` (damaged manifests show their error);
+        only of ``steps`` when given (``stepvault ls --limit``: a page of a long run).
 
         Every manifest is read and its checksum verified; one that was summarised before
         (same checksum) is not parsed again: its summary comes from the run's summary
@@ -154,7 +155,8 @@ class Vault:
         cache = SummaryCache(self.store, run)
         annotations = read_annotations(self.store, run)
         out = []
-        for step, data in self.store.read_manifests(run, self.steps(run)):
+        wanted = self.steps(run) if steps is None else steps
+        for step, data in self.store.read_manifests(run, wanted):
             try:
                 if isinstance(data, Exception):
                     raise data
@@ -175,7 +177,8 @@ class Vault:
                     ),
                 }
             out.append(CheckpointSummary(run=run, **summary))
-        cache.save()
+        if steps is None:  # compacting after a partial listing would drop the others' entries
+            cache.save()
         return out
 
     def __repr__(self) -> str:

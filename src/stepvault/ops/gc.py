@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ def collect_garbage(
     keep: KeepPolicy | None = None,
     dry_run: bool = False,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> GCResult:
     """Delete the checkpoints of ``run`` that ``keep`` does not keep, then sweep objects.
 
@@ -61,5 +63,5 @@ def collect_garbage(
                     log_event(store, run, "delete", step=step, reasons=reasons[step], by="gc")
             finally:
                 lease.release()
-    report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run)
+    report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run, progress=progress)
     return GCResult(run, plan, report)
