@@ -38,6 +38,8 @@ from .security import GuardMiddleware
 HERE = Path(__file__).resolve().parent
 #: Seconds between two polls of /api/changes by an open page.
 DEFAULT_REFRESH = 2.0
+#: Rows of the run page's checkpoint table (newest first); the charts and the JSON have all.
+RUN_TABLE_ROWS = 200
 
 
 def human_bytes(n: float | None) -> str:
@@ -107,7 +109,14 @@ class Dashboard:
     async def run_page(self, request: Request) -> Response:
         run = request.path_params["run"]
         doc = await self._call(data.run_detail, self.reader, run)
-        return self._page(request, "run.html", f"run {run}", doc=doc, params=request.query_params)
+        return self._page(
+            request,
+            "run.html",
+            f"run {run}",
+            doc=doc,
+            params=request.query_params,
+            table_rows=RUN_TABLE_ROWS,
+        )
 
     async def checkpoint_page(self, request: Request) -> Response:
         run = request.path_params["run"]
