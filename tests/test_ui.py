@@ -380,3 +380,21 @@ def test_stepvault_ui_serves_on_loopback(trained):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_every_static_file_and_template_is_package_data():
+    # A non-editable install ships only what pyproject's package-data names.
+    import fnmatch
+
+    import stepvault.ui
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    here = Path(stepvault.ui.__file__).parent
+    project = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    globs = tomllib.loads(project.read_text())["tool"]["setuptools"]["package-data"]["stepvault.ui"]
+    files = [p.relative_to(here).as_posix() for p in here.rglob("*") if p.is_file()]
+    shipped = [f for f in files if not f.endswith((".py", ".pyc"))]
+    assert "static/vendor/uPlot.iife.min.js" in shipped and "templates/run.html" in shipped
+    for name in shipped:
+        assert any(fnmatch.fnmatch(name, g) for g in globs), f"{name} is not package data"
