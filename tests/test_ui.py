@@ -398,3 +398,21 @@ def test_every_static_file_and_template_is_package_data():
     assert "static/vendor/uPlot.iife.min.js" in shipped and "templates/run.html" in shipped
     for name in shipped:
         assert any(fnmatch.fnmatch(name, g) for g in globs), f"{name} is not package data"
+
+
+def test_damage_found_after_a_page_was_shown_appears_once_the_memo_expires(
+    trained, tmp_path, monkeypatch
+):
+    import stepvault.ui.app as ui_app
+
+    root = tmp_path / "store"
+    shutil.copytree(trained, root)
+    client = TestClient(create_app(str(root)), base_url=BASE)
+    step = Store.open(root).list_steps(RUN)[0]
+    assert client.get(f"/api/runs/{RUN}").json()["checkpoints"][0]["error"] is None
+    path = root / "runs" / RUN / "checkpoints" / f"{step}.json"
+    data = bytearray(path.read_bytes())
+    data[-4] ^= 1  # same size, same listing: the change token cannot see it
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(ui_app, "MEMO_SECONDS", 0.0)
+    assert "checksum" in client.get(f"/api/runs/{RUN}").json()["checkpoints"][0]["error"]

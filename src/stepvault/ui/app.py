@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,10 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_REFRESH = 2.0
 #: Rows of the run page's checkpoint table (newest first); the charts and the JSON have all.
 RUN_TABLE_ROWS = 200
+#: Page results kept in memory (each valid until the store changes).
+MEMO_ENTRIES = 64
+#: Seconds a page result is reused at most, even when the store's change token is the same.
+MEMO_SECONDS = 30.0
 
 
 def human_bytes(n: float | None) -> str:
@@ -80,13 +85,34 @@ class Dashboard:
         self.allow_actions = allow_actions
         self.refresh_seconds = refresh_seconds
         self.templates = _templates()
+        self._cache: dict[tuple[str, str], tuple[str, float, Any]] = {}
         self.reader.view()  # fail at start, not on the first page, when there is no store
 
     # -- helpers -------------------------------------------------------------------------
     async def _call(self, fn: Any, *args: Any) -> Any:
         # Store reads are blocking file or network I/O: keep them off the event loop, so a
         # slow page never stalls the others (or the live-refresh polls).
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.to_thread(self._memo, fn, args)
+
+    def _memo(self, fn: Any, args: tuple[Any, ...]) -> Any:
+        """``fn(reader, *args)``, reused while the store's change token stays the same: a
+        page that reads every manifest (the store's usage, a retention preview) is computed
+        once per change of the store, however many tabs show it. In memory only."""
+        if fn is data.change_token:
+            return fn(*args)
+        key = (fn.__name__, repr(args[1:]))
+        token = data.change_token(self.reader)
+        hit = self._cache.get(key)
+        # The token sees checkpoints, events, pins and registry moves come and go, not a
+        # byte changing inside a file (damage): entries also expire after MEMO_SECONDS.
+        if hit is not None and hit[0] == token and time.monotonic() - hit[1] < MEMO_SECONDS:
+            return hit[2]
+        started = time.monotonic()
+        doc = fn(*args)
+        if len(self._cache) >= MEMO_ENTRIES:
+            self._cache.clear()
+        self._cache[key] = (token, started, doc)
+        return doc
 
     def _page(self, request: Request, template: str, title: str, **context: Any) -> Response:
         return self.templates.TemplateResponse(
@@ -190,7 +216,8 @@ class Dashboard:
             body = None
         if not isinstance(body, dict):
             return JSONResponse({"error": "the body must be a JSON object"}, 400)
-        result = await self._call(lambda: action(self.writer.store(), body))
+        writer = self.writer
+        result = await asyncio.to_thread(lambda: action(writer.store(), body))
         return JSONResponse({"ok": True, **result})
 
     def routes(self) -> list[Any]:
