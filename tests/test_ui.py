@@ -255,6 +255,10 @@ def test_requests_without_the_token_get_401(trained):
     assert r.status_code == 303 and r.headers["location"] == f"/runs/{RUN}?keep_last=2"
     assert "HttpOnly" in r.headers["set-cookie"]
     assert client.get(f"/runs/{RUN}").status_code == 200  # the cookie now carries it
+    fresh = TestClient(client.app, base_url="http://10.0.0.7")  # no cookie yet
+    r = fresh.get(f"/x%0D%0ASet-Cookie:%20a=b?token={token}", follow_redirects=False)
+    assert r.status_code == 303 and "\r" not in r.headers["location"]
+    assert r.headers["location"].startswith("/x%0D%0A")
 
 
 def test_loopback_server_refuses_foreign_host_headers(client):

@@ -15,7 +15,7 @@ import hmac
 import ipaddress
 from http.cookies import SimpleCookie
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 COOKIE = "stepvault_token"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -88,7 +88,7 @@ class GuardMiddleware:
                 )
             if from_query:  # trade the token in the URL for a cookie, and drop it from the URL
                 rest = urlencode([(k, v) for k, v in query.items() if k != "token"])
-                location = scope["path"] + (f"?{rest}" if rest else "")
+                location = quote(scope["path"]) + (f"?{rest}" if rest else "")  # no CR/LF
                 cookie = f"{COOKIE}={given}; HttpOnly; SameSite=Strict; Path=/"
                 return await _send(
                     send,
