@@ -72,13 +72,17 @@ def checkpoint_records(
     ``protected=False`` skips listing pins and holds (a restore does not need them).
     """
     cache = {} if cache is None else cache
+    whole = steps is None
     steps = list(store.list_steps(run)) if steps is None else list(steps)
     missing = [s for s in steps if s not in cache]
     if missing:
         summaries = SummaryCache(store, run)
         for step, data in store.read_manifests(run, missing):
             cache[step] = record_of(run, step, data, summaries)
-        summaries.save()
+        if whole and len(missing) == len(steps):
+            # Compacting keeps only the entries used: only after a listing of every step
+            # (a page, or a listing that skipped cached steps, would drop the others).
+            summaries.save()
     pinned = store.protected_steps(run) if protected else set()
     annotations = read_annotations(store, run)
     out = []

@@ -130,14 +130,15 @@ class Vault:
             step = steps[-1]
         return Checkpoint(self.store, self.manifest(run, int(step)))
 
-    def checkpoints(self, run: str) -> list[CheckpointRecord]:
-        """Records of every checkpoint of ``run`` (damaged manifests show their error).
+    def checkpoints(self, run: str, steps: list[int] | None = None) -> list[CheckpointRecord]:
+        """Records of every checkpoint of ``run`` (damaged manifests show their error);
+        only of ``steps`` when given (``stepvault ls --limit``: a page of a long run).
 
         Every manifest is read and its checksum verified; one that was summarised before
         (same checksum) is not parsed again: its record comes from the run's summary
         cache (see :mod:`stepvault.catalog.summaries`), which makes long runs list fast.
         """
-        return checkpoint_records(self.store, run)
+        return checkpoint_records(self.store, run, steps=steps)
 
     def __repr__(self) -> str:
         return f"<Vault {self.url}>"

@@ -28,12 +28,21 @@ from .common import (
     console,
     human_bytes,
 )
+from .progress import progress_bars
 
 
 @app.command("ls")
 def ls_cmd(
     run: Annotated[str | None, typer.Argument(help="Run to list; all runs when omitted.")] = None,
     root: RootOpt = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="Show the newest N checkpoints (default 50; --json: all); 0: all."),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Only from this step on (e.g. 1200), or this recent (e.g. 2h, 7d)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List runs, or the checkpoints of RUN with step, time, sizes and metrics."""
@@ -53,30 +62,11 @@ def ls_cmd(
                 table.add_row(r["run"], str(r["checkpoints"]), str(r["latest"]))
             console.print(table)
             return None
-        summaries = vault.checkpoints(run)
-    except StepvaultError as exc:
+        from .listing import list_checkpoints
+
+        return list_checkpoints(vault, run, limit=limit, since=since, as_json=as_json)
+    except (StepvaultError, ValueError) as exc:
         return _fail(exc)
-    if as_json:
-        return _emit_json([s.__dict__ for s in summaries])
-    table = Table(
-        "step", "epoch", "time", "logical", "stored", "new", "metrics", title=f"run {run}"
-    )
-    for s in summaries:
-        if s.error:
-            table.add_row(str(s.step), "", "", "", "", "", f"[red]DAMAGED: {s.error}[/]")
-            continue
-        metrics = " ".join(f"{k}={v:.4g}" for k, v in s.metrics.items())
-        table.add_row(
-            str(s.step),
-            "" if s.epoch is None else str(s.epoch),
-            _time(s.created),
-            human_bytes(s.logical_bytes),
-            human_bytes(s.stored_bytes),
-            human_bytes(s.new_bytes),
-            metrics,
-        )
-    console.print(table)
-    return None
 
 
 @app.command("show")
@@ -161,7 +151,9 @@ def verify_cmd(
         if step == "latest":
             steps = open_vault(_root(root)).steps(run)
             step = steps[-1] if steps else None
-        report = _ops().verify(_root(root), run, step, deep=deep)
+        with progress_bars(as_json=as_json) as bars:  # deep: every byte is re-hashed
+            task = bars.task("verify --deep" if deep else "verify")
+            report = _ops().verify(_root(root), run, step, deep=deep, progress=task)
         registry: list[dict] = []
         if run is None and not signatures:  # (--signatures reports the registry itself)
             from ..registry import Registry
@@ -324,19 +316,21 @@ def export_cmd(
 
     try:
         run, step = parse_ref(ref)
-        report = export_checkpoint(
-            Store.open(_root(root)),
-            run,
-            step,
-            output,
-            format=export_format,
-            module=module,
-            dtype=dtype,
-            include=include,
-            strip_prefix=strip_prefix,
-            max_shard_size=max_shard_size,
-            quantize=quantize,
-        )
+        with progress_bars(as_json=as_json) as bars:
+            report = export_checkpoint(
+                Store.open(_root(root)),
+                run,
+                step,
+                output,
+                format=export_format,
+                module=module,
+                dtype=dtype,
+                include=include,
+                strip_prefix=strip_prefix,
+                max_shard_size=max_shard_size,
+                quantize=quantize,
+                progress=bars.task(f"export {ref}"),
+            )
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
     if as_json:
@@ -436,9 +430,15 @@ def gc_cmd(
         if keep is not None and run is None:
             raise ValueError("keep rules apply to one run: stepvault gc RUN --keep-last 3")
         store = Store.open(_root(root))
-        result = _ops().collect_garbage(
-            store, run=run, keep=keep, dry_run=dry_run, grace_seconds=_parse_duration(grace)
-        )
+        with progress_bars(as_json=as_json, unit="items") as bars:
+            result = _ops().collect_garbage(
+                store,
+                run=run,
+                keep=keep,
+                dry_run=dry_run,
+                grace_seconds=_parse_duration(grace),
+                progress=bars.task("gc: objects examined"),
+            )
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
     if as_json:
@@ -541,6 +541,7 @@ from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
 from . import plan as _plan  # noqa: E402,F401  (stepvault plan)
 from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)
 from . import tiers as _tiers  # noqa: E402,F401  (tier, tiers ls/add/remove/du)
+from . import ui as _ui  # noqa: E402,F401  (ui: imports the web stack only when run)
 
 # -- command groups: end
 

@@ -8,6 +8,7 @@ import typer
 
 from ..errors import StepvaultError
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
+from .progress import progress_bars
 
 
 @app.command("import")
@@ -46,16 +47,18 @@ def import_cmd(
     from ..ops.migrate import import_checkpoints  # torch and safetensors load only when needed
 
     try:
-        reports = import_checkpoints(
-            _root(root),
-            path,
-            run=run,
-            step=step,
-            format=fmt,
-            trust=trust,
-            codec=codec,
-            overwrite=overwrite,
-        )
+        with progress_bars(as_json=as_json) as bars:
+            reports = import_checkpoints(
+                _root(root),
+                path,
+                run=run,
+                step=step,
+                format=fmt,
+                trust=trust,
+                codec=codec,
+                overwrite=overwrite,
+                progress=bars.task(f"import {path}"),
+            )
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
     if as_json:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..errors import StepvaultError
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
+from .progress import progress_bars
 
 tiers_app = typer.Typer(
     help="Storage tiers: list what lives where, add or remove cold tiers, usage per tier.",
@@ -73,7 +74,15 @@ def tier_cmd(
         lease = acquire_lease(hot, run) if evict else None
         try:
             for s in steps:
-                stats = copy_checkpoint(hot, target, run, s, codec=tiers.spec(to).codec)
+                with progress_bars(as_json=as_json) as bars:
+                    stats = copy_checkpoint(
+                        hot,
+                        target,
+                        run,
+                        s,
+                        codec=tiers.spec(to).codec,
+                        progress=bars.task(f"{run}@{s} -> {to}"),
+                    )
                 if s in protected:
                     copy_pin(hot, target, run, s)
                 log_event(hot, run, "tier_copy", step=s, tier=to, bytes=stats.bytes_written)

@@ -16,6 +16,7 @@ the remaining window.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import StepvaultError
@@ -52,9 +53,16 @@ def referenced_objects(store: Store) -> tuple[set[str], list[str]]:
 
 
 def sweep(
-    store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False
+    store: Store,
+    *,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    dry_run: bool = False,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> SweepReport:
-    """Delete unreferenced objects older than the grace period (and stale temp files)."""
+    """Delete unreferenced objects older than the grace period (and stale temp files).
+
+    ``progress(done, total)`` is called with the number of objects examined so far.
+    """
     report = SweepReport(dry_run=dry_run)
     candidates = list(store.iter_objects())  # listed *before* marking: newer ones are skipped
     live, unreadable = referenced_objects(store)
@@ -64,7 +72,9 @@ def sweep(
         # A manifest we cannot read may still reference objects: never sweep blindly.
         return report
     cutoff = time.time() - grace_seconds
-    for digest in candidates:
+    for i, digest in enumerate(candidates, 1):
+        if progress is not None:
+            progress(i, len(candidates))
         if digest in live:
             continue
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,7 @@ def export_weights(
     strip_prefix: str | None = None,
     max_shard_size: int | str = "5GB",
     quantize: str | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> ExportReport:
     """Write the module weights of ``run@step`` to ``out`` (logged as an ``export`` event).
 
@@ -166,6 +168,7 @@ def export_weights(
     int8 with one float32 scale per output channel (stored as ``<name>.scale``; see
     :func:`dequantize_int8`); 1-D tensors (biases, norms) stay as they are. The measured
     error is in ``report.quantization`` and the file metadata says ``lossy: true``.
+    ``progress(done, None)`` gets the bytes of the weights read so far.
     """
     report = _export(
         store,
@@ -178,6 +181,7 @@ def export_weights(
         strip_prefix=strip_prefix,
         max_shard_size=max_shard_size,
         quantize=quantize,
+        progress=progress,
     )
     q = report.quantization or {}
     log_event(
@@ -208,6 +212,7 @@ def _export(
     max_shard_size: int | str = "5GB",
     quantize: str | None = None,
     exclude: frozenset[str] = frozenset(),
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> ExportReport:
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
@@ -224,6 +229,7 @@ def _export(
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
     report.step = step = vault.checkpoint(ref_run, step).manifest.step  # "latest" -> int
+    read_bytes = 0
     for name, load in weight_tensors(vault, ref_run, step, module):
         if pattern is not None and not pattern.search(name):
             continue
@@ -232,6 +238,9 @@ def _export(
         if name in exclude:  # tied weights an HF folder leaves out (ops/export_hf.py)
             continue
         t = load()
+        read_bytes += t.numel() * t.element_size()
+        if progress is not None:
+            progress(read_bytes, None)
         pieces = {name: t}
         if quantize and t.dtype in _CASTABLE and t.dim() >= 2 and t.shape[0] > 0:
             q, scale, error = quantize_int8(t)

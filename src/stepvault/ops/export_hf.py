@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +250,7 @@ def export_folder(
     quantize: str | None = None,
     include: str | None = None,
     strip_prefix: str | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> FolderExport:
     """Write ``run@step`` as a model folder at ``out`` (see the module docstring).
 
@@ -286,6 +288,7 @@ def export_folder(
             max_shard_size=max_shard_size,
             quantize=quantize,
             exclude=frozenset(tied),
+            progress=progress,
         )
         report = FolderExport(
             out=out,

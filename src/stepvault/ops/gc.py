@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ def collect_garbage(
     keep: KeepPolicy | None = None,
     dry_run: bool = False,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> GCResult:
     """Delete the checkpoints of ``run`` that ``keep`` does not keep, then sweep objects.
 
@@ -64,5 +66,5 @@ def collect_garbage(
         finally:
             for lease in leases:
                 lease.release()
-    report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run)
+    report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run, progress=progress)
     return GCResult(run, plan, report)

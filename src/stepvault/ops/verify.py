@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,8 +89,12 @@ def verify_store(
     step: int | None = None,
     deep: bool = False,
     workers: int | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> VerifyReport:
-    """Check every checkpoint of the store (or of ``run``, or just ``run@step``)."""
+    """Check every checkpoint of the store (or of ``run``, or just ``run@step``).
+
+    ``progress(done, total)`` is called with the bytes checked so far (for a progress bar).
+    """
     report = VerifyReport(deep=deep)
     targets: list[tuple[str, int]] = []
     runs = [run] if run is not None else store.list_runs()
@@ -111,13 +116,16 @@ def verify_store(
         manifests.append((rep, m))
     check = _check_object_deep if deep else _check_object_quick
     digests = list(needed)
+    total = sum(needed.values())
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        results = list(pool.map(lambda d: check(store, d, needed[d]), digests))
-    for digest, problem in zip(digests, results):
-        report.objects_checked += 1
-        report.bytes_checked += needed[digest]
-        if problem:
-            report.bad_objects[digest] = problem
+        results = pool.map(lambda d: check(store, d, needed[d]), digests)
+        for digest, problem in zip(digests, results):
+            report.objects_checked += 1
+            report.bytes_checked += needed[digest]
+            if problem:
+                report.bad_objects[digest] = problem
+            if progress is not None:
+                progress(report.bytes_checked, total)
     for rep, m in manifests:
         if m is not None:
             for digest in m.objects:
@@ -134,8 +142,11 @@ def verify(
     *,
     deep: bool = False,
     workers: int | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> VerifyReport:
     """Check checkpoints: quick (objects present, sizes right) or ``deep`` (re-hash all)."""
     if run is not None:
         validate_run_name(run)
-    return verify_store(Store.open(root), run=run, step=step, deep=deep, workers=workers)
+    return verify_store(
+        Store.open(root), run=run, step=step, deep=deep, workers=workers, progress=progress
+    )

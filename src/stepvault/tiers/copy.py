@@ -12,6 +12,7 @@ complete. A crash anywhere leaves at most unreferenced objects, which GC reclaim
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -61,13 +62,15 @@ def copy_checkpoint(
     codec: str = "keep",
     workers: int = DEFAULT_COPY_WORKERS,
     before_commit: Any = None,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> CopyStats:
     """Copy ``run@step`` from ``src`` to ``dst`` (objects first, manifest last).
 
     ``codec="keep"`` copies stored objects byte for byte (the manifest stays identical);
     another codec re-encodes objects that ``dst`` lacks. Returns with ``already_there``
-    when ``dst`` already holds the checkpoint. Raises CorruptObjectError/MissingObjectError
-    (nothing committed) when the source is damaged.
+    when ``dst`` already holds the checkpoint. ``progress(done, total)`` gets the stored
+    bytes of the objects handled so far (copied or already there). Raises
+    CorruptObjectError/MissingObjectError (nothing committed) when the source is damaged.
     """
     t0 = time.perf_counter()
     stats = CopyStats(run, step)
@@ -126,7 +129,11 @@ def copy_checkpoint(
     stats.objects = len(digests)
     if digests:
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(digests)))) as pool:
-            for nread, nwritten, new in pool.map(one, digests):
+            total, done = sum(manifest.objects[d].size for d in digests), 0
+            for digest, (nread, nwritten, new) in zip(digests, pool.map(one, digests)):
+                done += manifest.objects[digest].size
+                if progress is not None:
+                    progress(done, total)
                 stats.bytes_read += nread
                 stats.bytes_written += nwritten
                 stats.copied_objects += new

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,7 @@ def import_checkpoints(
     trust: bool = False,
     codec: str | None = None,
     overwrite: bool = False,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> list[ImportReport]:
     """Like :func:`import_checkpoint`, and a Trainer ``output_dir`` imports every
     ``checkpoint-N`` folder in it, oldest first, as steps of ``run`` — chunks they share
@@ -129,6 +131,7 @@ def import_checkpoints(
 
     Each folder is read completely before its checkpoint is written; if one fails, the
     ones before it stay imported (and the error names the failing folder).
+    ``progress(done, total)`` gets the source bytes imported so far, after each checkpoint.
     """
     path = os.fspath(path)
     folders = (
@@ -136,17 +139,33 @@ def import_checkpoints(
         if os.path.isdir(path) and format in (None, "hf") and not is_hf_checkpoint(path)
         else []
     )
+    sources = [folder for _, folder in folders] or [path]
+    sizes = [_source_bytes(p) for p in sources]
+    report = progress if progress is not None else (lambda done, total: None)
+    report(0, sum(sizes))
     if not folders:
         kwargs = dict(run=run, step=step, format=format, trust=trust, codec=codec)
-        return [import_checkpoint(root, path, overwrite=overwrite, **kwargs)]
+        out = [import_checkpoint(root, path, overwrite=overwrite, **kwargs)]
+        report(sizes[0], sizes[0])
+        return out
     if step is not None:
         raise StepvaultError(
             f"{path}: holds {len(folders)} checkpoint folders; step= applies to one "
             "checkpoint (import a single checkpoint-N folder to choose its step)"
         )
-    return [
-        import_checkpoint(
-            root, folder, run=run, format="hf", trust=trust, codec=codec, overwrite=overwrite
+    reports = []
+    for i, folder in enumerate(sources):
+        reports.append(
+            import_checkpoint(
+                root, folder, run=run, format="hf", trust=trust, codec=codec, overwrite=overwrite
+            )
         )
-        for _, folder in folders
-    ]
+        report(sum(sizes[: i + 1]), sum(sizes))
+    return reports
+
+
+def _source_bytes(path: str) -> int:
+    """Bytes of a file, or of every file under a folder (what an import reads)."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path) if os.path.exists(path) else 0
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
