@@ -3,6 +3,8 @@ timing with warm-up and medians, durable-write helpers, memory probes and the GP
 
 The scripts run as ``python benchmarks/<name>.py`` (this folder is then on ``sys.path``)
 or are loaded by path from the tests; each puts this folder on ``sys.path`` first.
+
+(A toolbox, not one thing: split it when a helper gains a second purpose.)
 """
 
 from __future__ import annotations

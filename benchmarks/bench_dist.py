@@ -24,6 +24,8 @@ size 1 is a 1-rank group, so every world size runs the same code path) it measur
    ``load_sharded`` vs ``dcp.load`` with ``FileSystemReader``; bitwise equality checked once.
 5. For every ratio below its target, a py-spy profile (rank 0, all threads) of one extra run
    of both sides, summarised into the stages where the time went.
+
+(One benchmark, one file: the rank workers, the timing and the report belong together.)
 """
 
 from __future__ import annotations

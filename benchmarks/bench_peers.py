@@ -15,6 +15,8 @@ of BENCHMARKS.md (the rest is kept)::
    an untimed priming write and ``os.sync()`` before each timed save; medians.
 2. Restore into existing tensors (warm page cache) by the same peers, and one tensor read
    lazily from a freshly opened checkpoint.
+
+(One benchmark, one file: its sections share the same state and the same report.)
 """
 
 from __future__ import annotations

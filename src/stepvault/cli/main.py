@@ -2,6 +2,8 @@
 
 Shared options and helpers are in :mod:`stepvault.cli.common`; each further command group
 lives in its own module, imported at the bottom of this file so that it registers on ``app``.
+
+(The core commands; each larger group has its own module below.)
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ numpy scalar           ``{"$npscalar": ["<dtype>", "<little-endian bytes as hex>
 torch.dtype/Size/device ``{"$dtype": "bfloat16"}``, ``{"$size": [2, 3]}``, ``{"$device": "cpu"}``
 registered type        ``{"$ext": ["<name>", <encoded value>]}``
 =====================  ===========================================================
+
+(Longer than most modules on purpose: the encoder and decoder of one specification,
+FORMAT.md §5, read side by side.)
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ thread), runs the after-commit hooks (:mod:`.hooks`: retention and GC, the tier 
 restores through the restore planner (:mod:`.restoring`) and records every save, restore,
 deletion and failure in the store's event log. What differs between one process and every
 rank of a process group is one strategy object chosen at construction (:mod:`.scope`).
+
+(Its length is the public class and its documented options; the work is in the modules
+named above.)
 """
 
 from __future__ import annotations

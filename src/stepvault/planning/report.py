@@ -2,6 +2,9 @@
 
 Every input is either measured (from the run's events and listing, :mod:`.measure`),
 given, or assumed; the plan lists which, and every assumption in words.
+
+(Longer than most modules: the one function that assembles a plan and its table and JSON
+views; the formulas, simulation and storage forecast live in their own modules.)
 """
 
 from __future__ import annotations

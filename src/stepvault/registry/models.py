@@ -21,6 +21,9 @@ moves were deleted, so every move also rewrites ``refs/registry/<model>/head.jso
 that is gone, or another file than the one there, means the history was cut or edited.
 Registering a version places a *hold* on its checkpoint (``refs/holds/``), which keeps it
 safe from every keep policy and from GC.
+
+(Longer than most modules on purpose: versions, aliases and their signed history are one
+record format with one set of invariants, kept in one place.)
 """
 
 from __future__ import annotations
