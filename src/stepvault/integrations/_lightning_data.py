@@ -46,7 +46,10 @@ def install_resumable_loaders(fit_loop: Any) -> Callable[[], None] | None:
         combined = fit_loop._combined_loader
         if combined is not None:
             combined.flattened = [
-                resumable(dl) if isinstance(dl, DataLoader) else dl for dl in combined.flattened
+                # Lightning counts an epoch's batches and never asks a finished iterator
+                # again: a checkpoint after the last batch resumes with the next epoch.
+                resumable(dl, at_epoch_end="next") if isinstance(dl, DataLoader) else dl
+                for dl in combined.flattened
             ]
         original()
 

@@ -139,15 +139,25 @@ class ResumableLoader:
     from the global torch RNG that dropout uses (without one the wrapper replays those draws
     on a borrowed global RNG, which it gives back afterwards).
 
+    ``at_epoch_end`` says what the first ``iter()`` after restoring a checkpoint taken
+    after the epoch's last batch (but before the loop saw the end of the epoch) gives:
+    ``"finish"`` (default) the rest of that epoch, i.e. nothing, so that a ``for batch in
+    loader`` loop runs its end-of-epoch code and then asks for the next epoch, as the
+    uninterrupted run did; ``"next"`` the next epoch at once, for trainers that count the
+    batches of an epoch and never ask the finished iterator again (Lightning).
+
     Limits (a warning at the first save says so): an ``IterableDataset`` without
     ``state_dict`` is re-iterated from its start and the consumed batches discarded, which
     is exact only if it yields the same sequence every time it is iterated.
     """
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, *, at_epoch_end: str = "finish") -> None:
+        if at_epoch_end not in ("finish", "next"):
+            raise ValueError(f"at_epoch_end must be 'finish' or 'next', got {at_epoch_end!r}")
         if isinstance(loader, ResumableLoader):
             loader = loader.loader
         self.loader = loader
+        self.at_epoch_end = at_epoch_end
         self._stateful = is_stateful_loader(loader)
         self._pending: dict[str, Any] | None = None
         self._batches = 0
@@ -172,7 +182,9 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
         gens = loader_generators(self.loader)
-        if pending is not None and not self._at_end(pending):
+        if pending is not None and not pending.get("finished") and (
+            self.at_epoch_end == "finish" or not self._at_end(pending)
+        ):
             inner = self._resume(pending, gens)
             self._batches = int(pending["batches"])
         else:
@@ -281,6 +293,8 @@ class ResumableLoader:
             )
 
 
-def resumable(loader: Any) -> ResumableLoader:
+def resumable(loader: Any, *, at_epoch_end: str = "finish") -> ResumableLoader:
     """``loader`` wrapped in a :class:`ResumableLoader` (returned as is when it is one)."""
-    return loader if isinstance(loader, ResumableLoader) else ResumableLoader(loader)
+    if isinstance(loader, ResumableLoader):
+        return loader
+    return ResumableLoader(loader, at_epoch_end=at_epoch_end)
