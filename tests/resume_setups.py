@@ -150,3 +150,112 @@ def lightning_dataloader(ctx) -> None:
 def lightning_stateful_as_before(ctx) -> None:
     """The issue's setup without the fix (loaders not wrapped): epoch 2 reshuffled."""
     _lightning(ctx, "stateful", resumable_loaders=False)
+
+
+# ------------------------------------------------------------------- HF Trainer
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.x, self.y = _data().tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class _Regressor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x, labels=None):
+        out = self.net(x)
+        return {"loss": ((out - labels) ** 2).mean(), "logits": out}
+
+
+def transformers_dataloader(ctx) -> None:
+    """The Trainer builds its own shuffled DataLoader (a seeded RandomSampler) and skips
+    the consumed batches on resume."""
+    from transformers import TrainingArguments
+
+    from stepvault.integrations.transformers import StepvaultCallback, StepvaultTrainer
+
+    _seed()
+    model = _Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # Stepped per optimizer step by the Trainer: halves the rate at every epoch boundary.
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=BATCHES_PER_EPOCH, gamma=0.5)
+    ckpt = StepvaultCallback(ctx.root, run=ctx.run, save=ctx.save)
+    args = TrainingArguments(
+        output_dir=ctx.root + "-out",
+        max_steps=ctx.steps,
+        per_device_train_batch_size=8,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        logging_steps=10_000,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = StepvaultTrainer(
+        model=model,
+        args=args,
+        train_dataset=_Rows(),
+        optimizers=(opt, sched),
+        callbacks=[ckpt, ctx.transformers_callback()],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train(resume_from_checkpoint=ckpt.has_checkpoint)
+
+
+# ------------------------------------------------------------------------ Accelerate
+def _accelerate(ctx, kind: str) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from stepvault.integrations.accelerate import AcceleratorCheckpointer
+
+    _seed()
+    acc = Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=kind == "stateful", use_seedable_sampler=True
+        ),
+    )
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, loader = acc.prepare(model, opt, _loader("plain"))
+    if kind == "plain":
+        # An ordinary prepared loader has no position of its own: the wrapper records it.
+        loader = ResumableLoader(loader)
+        acc.register_for_checkpointing(loader)
+    acc.register_for_checkpointing(sched)  # stepped per epoch, outside accelerate's wrapper
+    progress = {"epoch": 0, "step": 0}
+    with AcceleratorCheckpointer(acc, ctx.root, run=ctx.run, save=ctx.save, extra=progress) as ckpt:
+        ckpt.restore()
+        while progress["step"] < ctx.steps:
+            loader.set_epoch(progress["epoch"])
+            for x, y in loader:
+                loss = ((model(x) - y) ** 2).mean()
+                opt.zero_grad()
+                acc.backward(loss)
+                opt.step()
+                progress["step"] += 1
+                ctx.step_done(progress["step"], (x, y))
+                ckpt.save(progress["step"])
+                if progress["step"] >= ctx.steps:
+                    break
+            else:
+                sched.step()
+                progress["epoch"] += 1
+
+
+def accelerate_stateful(ctx) -> None:
+    _accelerate(ctx, "stateful")
+
+
+def accelerate_dataloader(ctx) -> None:
+    _accelerate(ctx, "plain")

@@ -63,6 +63,8 @@ def draws_from_global_rng(loader: Any) -> bool:
 
 def is_stateful_loader(loader: Any) -> bool:
     """A loader that records its own position (torchdata's ``StatefulDataLoader``)."""
+    if getattr(loader, "use_stateful_dataloader", True) is False:
+        return False  # Accelerate's prepared loaders have state_dict() either way
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None)
     )
