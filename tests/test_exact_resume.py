@@ -241,6 +241,7 @@ def test_command_line_reports_the_first_difference(tmp_path):
     tests = str(Path(__file__).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "stepvault.testing", "--steps", "8", "--interrupt-at", "2"]
+    cmd += ["--isolate", "none"]  # the CLI is a process of its own already
     bad = subprocess.run(
         [*cmd, "resume_setups:plain_without_rng"],
         capture_output=True,
