@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=1)
     p.add_argument("--workdir", default=None, help="keep the stores here (default: temporary)")
     p.add_argument("--isolate", choices=("resume", "all", "none"), default="resume")
+    p.add_argument(
+        "--ignore", action="append", default=[], help="skip checkpoint paths containing this"
+    )
     p.add_argument("--phase-json", help=argparse.SUPPRESS)  # one phase, in a fresh process
     args = p.parse_args(argv)
     if args.phase_json:
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         save_every=args.save_every,
         workdir=args.workdir,
         isolate=args.isolate,
+        ignore=args.ignore,
     )
     print(report)
     return 0 if report.exact else 1
