@@ -147,6 +147,12 @@ def test_iterable_dataset_without_state_warns_once_at_save():
     assert len(texts) == 1 and "Stream" in texts[0] and "same sequence" in texts[0]
 
 
+def test_persistent_workers_warn_at_save():
+    loader = ResumableLoader(DataLoader(DATA, batch_size=4, num_workers=1, persistent_workers=True))
+    with pytest.warns(RuntimeWarning, match="persistent_workers=True"):
+        loader.state_dict()
+
+
 def test_a_state_of_another_kind_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="not a ResumableLoader state"):
         ResumableLoader(DataLoader(DATA)).load_state_dict({"_num_yielded": 3})

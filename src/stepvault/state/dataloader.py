@@ -150,7 +150,9 @@ class ResumableLoader:
 
     Limits (a warning at the first save says so): an ``IterableDataset`` without
     ``state_dict`` is re-iterated from its start and the consumed batches discarded, which
-    is exact only if it yields the same sequence every time it is iterated.
+    is exact only if it yields the same sequence every time it is iterated; with
+    ``persistent_workers=True`` the workers' RNGs carry over between epochs, which new
+    workers after a resume cannot reproduce (random augmentations drawn in workers differ).
     """
 
     def __init__(self, loader: Any, *, at_epoch_end: str = "finish") -> None:
@@ -184,8 +186,10 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
         gens = loader_generators(self.loader)
-        if pending is not None and not pending.get("finished") and (
-            self.at_epoch_end == "finish" or not self._at_end(pending)
+        if (
+            pending is not None
+            and not pending.get("finished")
+            and (self.at_epoch_end == "finish" or not self._at_end(pending))
         ):
             inner = self._resume(pending, gens)
             self._batches = int(pending["batches"])
@@ -279,6 +283,19 @@ class ResumableLoader:
         if self._warned:
             return
         self._warned = True
+        if getattr(self.loader, "num_workers", 0) > 0 and getattr(
+            self.loader, "persistent_workers", False
+        ):
+            warnings.warn(
+                "stepvault: the loader keeps its workers between epochs "
+                "(persistent_workers=True), so their RNGs carry over from earlier epochs; a "
+                "resumed run starts new workers seeded for the current epoch only, and random "
+                "draws inside the workers (augmentations) differ after a resume. The data "
+                "order is still exact; for exact augmentations use persistent_workers=False "
+                "or seed them per sample (e.g. from the index and the epoch)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         dataset = getattr(self.loader, "dataset", None)
         if isinstance(dataset, torch.utils.data.IterableDataset) and not is_stateful_loader(
             dataset
