@@ -54,6 +54,7 @@ _LAZY: dict[str, str] = {
     "Registry": ".registry",
     "RegistryError": ".registry",
     "RNGState": ".state",
+    "ResumableLoader": ".state.dataloader",
     "LeaseHeldError": ".store.lease",
     "Signer": ".store.signing",
     "Verifier": ".store.signing",

@@ -166,6 +166,10 @@ class CheckpointMixin:
             with its key path (register a converter with ``stepvault.register_type``).
         save_rng: also store the Python, numpy and torch RNG states (Lightning saves
             none), so that dropout, shuffles and augmentations continue exactly.
+        resumable_loaders: wrap the train loaders in
+            :class:`~stepvault.state.dataloader.ResumableLoader` so that an ordinary
+            ``DataLoader`` resumes mid-epoch exactly and a ``StatefulDataLoader`` keeps
+            later epochs' shuffles (see INTEGRATIONS.md, "Exact resume").
         manager_options: passed to :class:`~stepvault.CheckpointManager` (``if_busy``,
             ``codec``, ``best_metric``, ``best_mode``, ``on_save_error``, ``workers``,
             ``gc_grace_seconds``, ``lease_stale_after``, ``prometheus``).
@@ -196,6 +200,7 @@ class CheckpointMixin:
         async_save: bool = True,
         unsupported_hparams: Literal["error", "str"] = "error",
         save_rng: bool = True,
+        resumable_loaders: bool = True,
         **manager_options: Any,
     ) -> None:
         if unsupported_hparams not in ("error", "str"):
@@ -209,6 +214,8 @@ class CheckpointMixin:
         self.async_save = async_save
         self.unsupported_hparams = unsupported_hparams
         self.save_rng = save_rng
+        self.resumable_loaders = resumable_loaders
+        self._uninstall_loaders: Any = None
         self.manager_options = manager_options
         self.manager: CheckpointManager | None = None
         self.last_restore: RestoreInfo | None = None
@@ -268,6 +275,10 @@ class CheckpointMixin:
             strategy.checkpoint_io = self._io
         if stage != "fit" or self.manager is not None:
             return
+        if self.resumable_loaders and self._uninstall_loaders is None:
+            from ._lightning_data import install_resumable_loaders
+
+            self._uninstall_loaders = install_resumable_loaders(trainer.fit_loop)
         options = dict(self.manager_options)
         if trainer.max_steps and trainer.max_steps > 0:
             options.setdefault("total_steps", trainer.max_steps)  # lets LastStep() fire
@@ -394,6 +405,9 @@ class CheckpointMixin:
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            if self._uninstall_loaders is not None:
+                self._uninstall_loaders()
+                self._uninstall_loaders = None
             self._close(quiet=False)
         if self._io is not None and trainer.strategy.checkpoint_io is self._io:
             trainer.strategy.checkpoint_io = self._io.wrapped  # the trainer without us again
