@@ -137,8 +137,18 @@ def import_checkpoints(
         else []
     )
     if not folders:
-        kwargs = dict(run=run, step=step, format=format, trust=trust, codec=codec)
-        return [import_checkpoint(root, path, overwrite=overwrite, **kwargs)]
+        return [
+            import_checkpoint(
+                root,
+                path,
+                run=run,
+                step=step,
+                format=format,
+                trust=trust,
+                codec=codec,
+                overwrite=overwrite,
+            )
+        ]
     if step is not None:
         raise StepvaultError(
             f"{path}: holds {len(folders)} checkpoint folders; step= applies to one "
