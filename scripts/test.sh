@@ -4,4 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 .venv/bin/ruff check src tests examples benchmarks
+.venv/bin/ruff format --check src tests examples benchmarks
+.venv/bin/lint-imports
+.venv/bin/mypy  # config and files in pyproject.toml [tool.mypy]
 exec .venv/bin/python -m pytest "$@"

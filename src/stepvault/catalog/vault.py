@@ -79,6 +79,7 @@ class Checkpoint:
 
     def _load_sharded(self) -> dict[str, Any]:
         sharded = self.manifest.sharded
+        assert sharded is not None  # load() calls this only for a sharded manifest
         paths = sharded.get("paths", {})
         out: dict[str, Any] = {}
         for fqn, e in sharded["entries"].items():

@@ -51,7 +51,7 @@ def ls_cmd(
     try:
         vault = open_vault(_root(root))
         if run is None:
-            rows = []
+            rows: list[dict] = []
             for name in vault.runs():
                 steps = vault.steps(name)
                 rows.append(
@@ -150,7 +150,7 @@ def verify_cmd(
     """Check checkpoints; exits 1 if anything is damaged or missing, 2 on usage errors."""
     try:
         run, step = parse_ref(ref) if ref else (None, None)
-        if step == "latest":
+        if step == "latest" and run is not None:
             steps = open_vault(_root(root)).steps(run)
             step = steps[-1] if steps else None
         with progress_bars(as_json=as_json) as bars:  # deep: every byte is re-hashed
@@ -338,7 +338,8 @@ def export_cmd(
     if as_json:
         return _emit_json(report.to_json())
     files = [f["path"] if isinstance(f, dict) else f for f in report.files]
-    where = f"{report.out} ({report.format}: {', '.join(files)})" if hasattr(report, "out") else ""
+    fmt = getattr(report, "format", None)
+    where = f"{report.out} ({fmt}: {', '.join(files)})" if hasattr(report, "out") else ""
     console.print(
         f"exported {report.tensors} tensors ({human_bytes(report.total_bytes)}) to "
         f"{where or ', '.join(files)}",
@@ -412,20 +413,21 @@ def gc_cmd(
 ) -> None:
     """Delete checkpoints no keep rule keeps (newest, best and pinned always stay), then
     sweep objects that no checkpoint references. Without --keep-* only the sweep runs."""
-    from ..policy import KeepBest, KeepEvery, KeepLast, KeepWithin
+    from ..policy import KeepBest, KeepEvery, KeepLast, KeepPolicy, KeepWithin
 
-    rules = []
+    rules: list[KeepPolicy] = []
     if keep_last is not None:
         rules.append(KeepLast(keep_last))
     if keep_best is not None:
         if metric is None:
-            _fail(ValueError("--keep-best needs --metric"))
-        rules.append(KeepBest(keep_best, metric=metric, mode=mode))
+            return _fail(ValueError("--keep-best needs --metric"))
+        # mode is any str from the command line; KeepBest rejects all but "min"/"max".
+        rules.append(KeepBest(keep_best, metric=metric, mode=mode))  # type: ignore[arg-type]
     if keep_every is not None:
         rules.append(KeepEvery(steps=keep_every))
     if keep_within is not None:
         rules.append(KeepWithin(seconds=_parse_duration(keep_within)))
-    keep = None
+    keep: KeepPolicy | None = None
     for rule in rules:
         keep = rule if keep is None else keep | rule
     try:

@@ -53,7 +53,7 @@ def import_cmd(
                 path,
                 run=run,
                 step=step,
-                format=fmt,
+                format=fmt,  # type: ignore[arg-type]  # any str: read_checkpoint checks FORMATS
                 trust=trust,
                 codec=codec,
                 overwrite=overwrite,

@@ -228,7 +228,7 @@ def models_cmd(
     try:
         reg = Registry(_root(root))
         names = [model] if model else reg.models()
-        data = [
+        data: list[dict[str, Any]] = [
             {
                 "model": name,
                 "aliases": reg.aliases(name),

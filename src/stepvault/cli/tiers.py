@@ -57,7 +57,7 @@ def tier_cmd(
         steps = hot.list_steps(run)
         if step == "latest":
             steps = steps[-1:]
-        elif step is not None:
+        elif isinstance(step, int):  # parse_ref gives an int, "latest" or None
             steps = [step]
         if older_than is not None:
             steps = _saved_before(hot, run, steps, time.time() - parse_duration(older_than))

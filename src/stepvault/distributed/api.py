@@ -286,7 +286,7 @@ def restore_state(
     """``stepvault.restore`` on every rank (resharding to this world size); returns the step."""
     handshake(f"restore {run}", timeout)
     store = _store(root, create=False)
-    newest = step
+    newest: int | Literal["latest"] | None = step
     if step == "latest":
         steps = store.list_steps(run)
         newest = steps[-1] if steps else None

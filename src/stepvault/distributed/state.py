@@ -160,7 +160,7 @@ def _fqn_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, nat
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     groups = []
-    index_to_name = {}
+    index_to_name: dict[Any, str] = {}
     for saved_group, live_group in zip(native["param_groups"], opt.param_groups):
         group = dict(saved_group)
         fqns = [names[id(p)] for p in live_group["params"]]

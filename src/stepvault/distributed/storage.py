@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -112,7 +112,7 @@ class StepvaultWriter(StorageWriter):
             indexes[key] = item.index
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                values[key] = json.loads(data.getvalue())
+                values[key] = json.loads(cast(io.BytesIO, data).getvalue())
             else:
                 arrays[key] = to_host(data.detach())
         tensors, objects, stats = write_objects(

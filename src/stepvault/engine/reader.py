@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryview:
     """Decoded, verified bytes of one object (a private copy-on-write map when raw on disk)."""
     try:
-        buf = store.map_object(digest)
+        buf: memoryview | bytes | None = store.map_object(digest)
         if buf is None:
             buf = store.read_object(digest)
     except FileNotFoundError:

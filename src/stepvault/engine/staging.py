@@ -40,13 +40,15 @@ def to_host(value: Any) -> HostArray:
         if dt is None:
             raise TypeError(f"unsupported numpy dtype {value.dtype}")
         arr = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
-        flat = arr.reshape(-1).view(np.uint8)
-        return HostArray("ndarray", dt, list(value.shape), memoryview(flat).cast("B"))
+        flat_np = arr.reshape(-1).view(np.uint8)
+        # numpy's stubs declare __buffer__ only for Python >= 3.12; ndarray has it on 3.10.
+        view = memoryview(flat_np).cast("B")  # type: ignore[arg-type]
+        return HostArray("ndarray", dt, list(value.shape), view)
     raise TypeError(f"not a tensor or array: {type(value).__name__}")
 
 
 def _u8_view(flat: torch.Tensor) -> memoryview:
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # see to_host
 
 
 def from_bytes(kind: str, dtype: str, shape: list[int], data: Any) -> Any:

@@ -152,7 +152,8 @@ class StagingArea:
                 plan.out[name] = plan.out[alias[name]]
                 continue
             buf = buffers[name]
-            view = memoryview(buf.numpy()).cast("B")
+            # numpy's stubs declare __buffer__ only for Python >= 3.12; ndarray has it on 3.10.
+            view = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]
             if isinstance(value, torch.Tensor):
                 if sig[1] == "raw":
                     spans.append((buf.data_ptr(), sig[2], buf.numel()))
@@ -164,6 +165,8 @@ class StagingArea:
             else:
                 plan.others.append(name)
                 dt = dtype_from_numpy(value.dtype)
+                if dt is None:
+                    raise TypeError(f"unsupported numpy dtype {value.dtype}")
                 plan.out[name] = HostArray("ndarray", dt, list(value.shape), view)
         total = sum(n for _, _, n in spans)
         # Small states stay on the calling thread (a hand-off costs more than it saves).
@@ -196,8 +199,8 @@ class StagingArea:
                 needs_sync |= t.device.type == "cuda"
             else:
                 arr = np.asarray(value)
-                dst = buf.numpy().view(arr.dtype.newbyteorder("<")).reshape(arr.shape)
-                np.copyto(dst, arr)
+                dst_np = buf.numpy().view(arr.dtype.newbyteorder("<")).reshape(arr.shape)
+                np.copyto(dst_np, arr)
         if needs_sync:
             torch.cuda.synchronize()
         return {

@@ -195,6 +195,7 @@ class Encoder:
         if is_tensor:
             self._check_tensor(value, path)
             name = self._array_name(path)
+            assert self._on_array is not None  # the is_tensor branch above returned if None
             self._on_array(name, value)
             return {"$tensor": name}
         if t is np.ndarray:
@@ -205,6 +206,7 @@ class Encoder:
                     "a converter with stepvault.register_type"
                 )
             name = self._array_name(path)
+            assert self._on_array is not None  # a supported dtype returned above if None
             self._on_array(name, value)
             return {"$ndarray": name}
         if isinstance(value, np.generic):
@@ -283,6 +285,7 @@ class Encoder:
 
 
 def _inline(kind: str, value: Any) -> dict[str, Any]:
+    dtype: str | None  # never None: callers inline only supported numpy dtypes
     if kind == "torch":
         torch = _torch()
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()

@@ -16,7 +16,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from ..errors import InvalidNameError, ManifestError, StoreVersionError
 from ..store.names import validate_run_name
@@ -181,6 +181,10 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise ManifestError(f"{where}: manifest violates the schema: {exc!r}") from exc
 
 
+@overload
+def _int(v: Any, what: str, *, nullable: Literal[False] = ..., minimum: int = ...) -> int: ...
+@overload
+def _int(v: Any, what: str, *, nullable: bool, minimum: int = ...) -> int | None: ...
 def _int(v: Any, what: str, *, nullable: bool = False, minimum: int = 0) -> int | None:
     if v is None and nullable:
         return None

@@ -67,7 +67,8 @@ def encode_object(
     """Encode one chunk; falls back to ``raw`` when the codec does not pay off."""
     raw = memoryview(raw).cast("B")
     digest = digest or content_hash(raw)
-    payload, params = [raw], {}
+    payload: list[Any] = [raw]
+    params: dict[str, Any] = {}
     if codec_id != "raw":
         payload, params = get_codec(codec_id).encode(raw, dtype)
         if sum(memoryview(p).nbytes for p in payload) > MIN_GAIN_RATIO * raw.nbytes:

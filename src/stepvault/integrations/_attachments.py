@@ -68,7 +68,7 @@ def hparams_files(hparams: Any) -> dict[str, bytes]:
     plain = json.loads(json.dumps(dict(hparams), sort_keys=True, default=str))
     files = {"hparams.json": (json.dumps(plain, indent=2, sort_keys=True) + "\n").encode()}
     try:
-        import yaml
+        import yaml  # type: ignore[import-untyped]  # PyYAML ships no stubs
     except ImportError:
         return files
     files["hparams.yaml"] = yaml.safe_dump(plain, sort_keys=True).encode()

@@ -76,7 +76,7 @@ class _StateDictView(torch.nn.Module):
         super().__init__()
         self._view = state_dict
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._view
 
 
@@ -272,7 +272,7 @@ class CheckpointMixin:
             self._check_strategy(strategy)
         if not isinstance(strategy.checkpoint_io, CheckpointIOMixin):
             self._io = self._io_class(self, strategy.checkpoint_io)
-            strategy.checkpoint_io = self._io
+            strategy.checkpoint_io = self._io  # type: ignore[assignment]  # a CheckpointIO subclass
         if stage != "fit" or self.manager is not None:
             return
         if self.resumable_loaders and self._uninstall_loaders is None:
@@ -338,6 +338,7 @@ class CheckpointMixin:
             # Lightning goes straight to the next epoch and builds its data iterator
             # before any batch hook; that iterator must draw from the restored RNG, as
             # the next epoch's iterator did in the run that saved.
+            assert rng is not None  # state_dict["rng"] is not None (checked above)
             RNGState().load_state_dict(rng)
         else:
             # Mid-epoch: the data iterator is rebuilt (drawing a seed) before the first
@@ -362,7 +363,8 @@ class CheckpointMixin:
         step = trainer.global_step
         # Only optimizer-step boundaries: with gradient accumulation several batches end at
         # the same global step, and a save in the middle would lose the accumulated grads.
-        if step == self._boundary or trainer.sanity_checking or trainer.fast_dev_run:
+        # fast_dev_run: set on the Trainer by Lightning's _init_debugging_flags, not declared.
+        if step == self._boundary or trainer.sanity_checking or trainer.fast_dev_run:  # type: ignore[attr-defined]
             return
         self._boundary = step
         progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -372,7 +374,11 @@ class CheckpointMixin:
             # Rank 0 holds the manager and decides (clocks and signals differ between
             # ranks); every rank must then call trainer.save_checkpoint (it dumps the
             # state on every rank and ends with a barrier).
-            due = on_rank0(lambda: self.manager.should_save(step, epoch), "the save decision")
+            due = on_rank0(
+                # on_rank0 runs it on rank 0, the one with a manager (setup())
+                lambda: self.manager.should_save(step, epoch),  # type: ignore[union-attr]
+                "the save decision",
+            )
         else:
             due = self.manager is not None and self.manager.should_save(step, epoch)
         if not due:
@@ -498,12 +504,14 @@ class CheckpointMixin:
 
         def choose() -> RestoreInfo:
             mine["checkpoint"] = self._read(step)
+            assert self.last_restore is not None  # _read() sets it
             return self.last_restore
 
         chosen = on_rank0(choose, "loading the stepvault checkpoint")
         if rank == 0:
             return mine["checkpoint"]
         checkpoint = self._read(chosen.step)
+        assert self.last_restore is not None  # _read() sets it
         self.last_restore = dataclasses.replace(self.last_restore, skipped=chosen.skipped)
         return checkpoint
 

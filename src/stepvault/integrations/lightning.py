@@ -39,8 +39,8 @@ try:
 except ImportError:  # the standalone package of older installs
     try:
         import pytorch_lightning as pl  # type: ignore[no-redef]
-        from pytorch_lightning.callbacks import Checkpoint  # type: ignore[no-redef]
-        from pytorch_lightning.plugins.io import CheckpointIO  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Checkpoint  # type: ignore[assignment]
+        from pytorch_lightning.plugins.io import CheckpointIO  # type: ignore[assignment]
     except ImportError as exc:
         raise ImportError(missing_framework("lightning", "PyTorch Lightning", "lightning")) from exc
 

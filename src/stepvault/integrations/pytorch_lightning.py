@@ -31,7 +31,9 @@ class StepvaultCheckpointIO(CheckpointIOMixin, CheckpointIO):
     __doc__ = CheckpointIOMixin.__doc__
 
 
-class StepvaultCheckpoint(CheckpointMixin, Checkpoint):
+# CheckpointMixin's hooks are annotated with lightning.pytorch's classes; pytorch_lightning
+# ships the same classes under its own name, so the checker sees other types.
+class StepvaultCheckpoint(CheckpointMixin, Checkpoint):  # type: ignore[misc]
     __doc__ = CheckpointMixin.__doc__
     _pl = pl
     _io_class = StepvaultCheckpointIO

@@ -40,7 +40,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._common import (
     PolicySignals,
@@ -169,7 +169,9 @@ class StepvaultCallback(TrainerCallback):
         # Several processes: process zero decides for all (clocks and signals differ),
         # every rank then enters _save_checkpoint together.
         control.should_save = on_rank0(
-            lambda: self.manager.should_save(state.global_step, epoch), "the save decision"
+            # on_rank0 runs it on process zero, the one with a manager (open() above)
+            lambda: self.manager.should_save(state.global_step, epoch),  # type: ignore[union-attr]
+            "the save decision",
         )
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -193,7 +195,13 @@ def _step_metrics(log_history: list[dict[str, Any]], step: int) -> dict[str, flo
     return finite_metrics(merged)
 
 
-class StepvaultTrainerMixin:
+if TYPE_CHECKING:  # always mixed into a Trainer: checked as one, a plain class at run time
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class StepvaultTrainerMixin(_TrainerBase):
     """Trainer hooks that save to and resume from a stepvault store.
 
     Mix it in *before* ``Trainer`` (or a Trainer subclass such as TRL's):
@@ -241,7 +249,8 @@ class StepvaultTrainerMixin:
             )
 
     # ------------------------------------------------------------------------ train
-    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, **kwargs: Any):
+    # **kwargs, not Transformers 5's ignore_keys_for_eval: passed through to any version.
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, **kwargs: Any):  # type: ignore[override]
         """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest
         stepvault checkpoint that verifies, an int from exactly that step; a string is an
         ordinary checkpoint folder (loaded by the Trainer as usual)."""
@@ -280,6 +289,7 @@ class StepvaultTrainerMixin:
         holder["model"] = self.model
 
         def choose() -> RestoreInfo:
+            assert mgr is not None  # on_rank0 runs this on process zero, which has the manager
             info = mgr.restore(holder, step)
             if info is None:
                 raise ValueError(
@@ -324,8 +334,9 @@ class StepvaultTrainerMixin:
         tree = self._stepvault_restored(checkpoint)
         if tree is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        self.optimizer.load_state_dict(tree["optimizer"])
-        self.lr_scheduler.load_state_dict(tree["scheduler"])
+        # The Trainer creates both before it calls this hook.
+        self.optimizer.load_state_dict(tree["optimizer"])  # type: ignore[union-attr]
+        self.lr_scheduler.load_state_dict(tree["scheduler"])  # type: ignore[union-attr]
 
     def _load_scaler(self, checkpoint: Any) -> None:
         tree = self._stepvault_restored(checkpoint)
@@ -343,7 +354,10 @@ class StepvaultTrainerMixin:
         # Written by several processes: "ranks" holds each rank's state (what the Trainer
         # keeps in rng_state_{rank}.pth); every rank takes its own.
         ranks = rng.get("ranks") if isinstance(rng, dict) else None
-        own = rng_state_of_this_rank(ranks, rng, f"stepvault run {self._stepvault_callback().run}")
+        what = f"stepvault run {self._stepvault_callback().run}"
+        own = rng_state_of_this_rank(ranks, rng, what)
+        if own is None:  # not written by StepvaultTrainer, which always stores the RNGs
+            raise StepvaultError(f"{what}: the checkpoint holds no RNG state to resume from")
         RNGState().load_state_dict(own)
 
     # ------------------------------------------------------------------ save hook
@@ -363,15 +377,18 @@ class StepvaultTrainerMixin:
 
     def _stepvault_write(self, cb: StepvaultCallback, rng_states: list[dict[str, Any]]) -> None:
         mgr = cb.open()
+        assert mgr is not None  # on_rank0 runs this on process zero, which has the manager
         # What Trainer._save_checkpoint does before writing the state: record the state of
         # the ExportableState callbacks (early stopping...) and of TrainerControl.
+        # Annotated as a list, a dict by name once TrainerState.__post_init__ has run.
+        stateful: dict[str, Any] = self.state.stateful_callbacks  # type: ignore[assignment]
         for obj in [*self.callback_handler.callbacks, self.control]:
             if isinstance(obj, ExportableState):
                 name = obj.__class__.__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(obj.state())
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(obj.state())
                 else:
-                    self.state.stateful_callbacks[name] = obj.state()
+                    stateful[name] = obj.state()
         scaler = getattr(self.accelerator, "scaler", None)
         rng: Any = RNGState()
         if len(rng_states) > 1:

@@ -271,7 +271,7 @@ def export_folder(
     config = _json_attachment(attachments[MODEL_CONFIG]) if hf else None
     out = os.path.abspath(os.fspath(out))
     _check_target(out)
-    tied = _tied_weights(config, vault, run, step, module) if hf else {}
+    tied = _tied_weights(config, vault, run, step, module) if config is not None else {}
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.stepvault-", dir=parent)

@@ -110,7 +110,7 @@ def verify_store(
         except StepvaultError as exc:
             rep.problems.append(f"manifest: {exc}")
             m = None
-        else:
+        if m is not None:
             for digest, obj in m.objects.items():
                 needed.setdefault(digest, obj.size)
         manifests.append((rep, m))

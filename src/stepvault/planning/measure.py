@@ -109,7 +109,9 @@ def measure_run(store: Store, run: str) -> Measured:
     m = Measured(run)
     saves = [e for e in events if e.get("event") == "save" and isinstance(e.get("step"), int)]
     m.saves = len(saves)
-    costs, delays, by_kind = [], [], {}
+    costs: list[float] = []
+    delays: list[float] = []
+    by_kind: dict[str, list[tuple[int, int]]] = {}
     for e in saves:
         stall, write = _num(e, "stall_seconds"), _num(e, "write_seconds")
         if stall is None or write is None:

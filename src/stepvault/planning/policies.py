@@ -62,7 +62,7 @@ def _build(node: ast.expr, classes: dict[str, Any], option: str) -> Any:
         args = [_literal(a, option) for a in node.args]
         if any(k.arg is None for k in node.keywords):
             raise PlanError(f"{option}: **kwargs is not allowed")
-        kwargs = {k.arg: _literal(k.value, option) for k in node.keywords}
+        kwargs = {k.arg: _literal(k.value, option) for k in node.keywords if k.arg is not None}
         try:
             return cls(*args, **kwargs)
         except (TypeError, ValueError) as exc:

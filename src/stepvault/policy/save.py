@@ -201,7 +201,7 @@ class AtSteps(SavePolicy):
     def __init__(self, *steps: int, what: SaveKind = "full") -> None:
         if not steps:
             raise ValueError("AtSteps() needs at least one step, e.g. AtSteps(1000, 5000)")
-        checked = []
+        checked: list[int] = []
         for step in steps:
             if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
                 raise ValueError(f"AtSteps() steps must be non-negative integers, got {step!r}")

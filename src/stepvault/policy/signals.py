@@ -9,12 +9,16 @@ from __future__ import annotations
 import numbers
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Literal
+from typing import Any, Literal, TypeAlias
 
 from .base import SaveContext, SaveDecision, SavePolicy
 
 __all__ = ["OnSignal"]
+
+# What signal.getsignal() returns and signal.signal() accepts (typeshed's private _HANDLER).
+_Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 def _default_signals() -> tuple[signal.Signals, ...]:
@@ -100,7 +104,7 @@ class OnSignal(SavePolicy):
         self._handled = 0
         self._reported: int | None = None
         self._signum: int | None = None
-        self._previous: dict[signal.Signals, object] | None = None
+        self._previous: dict[signal.Signals, _Handler] | None = None
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -160,7 +164,7 @@ class OnSignal(SavePolicy):
         _require_main_thread("OnSignal.install()")
         if self._previous is not None:
             return  # already installed: keep the handlers we saved the first time
-        previous: dict[signal.Signals, object] = {}
+        previous: dict[signal.Signals, _Handler] = {}
         try:
             for sig in self._signals:
                 previous[sig] = signal.getsignal(sig)
@@ -198,7 +202,7 @@ def _signal_name(signum: int) -> str:
         return str(signum)
 
 
-def _restorable(handler: object) -> object:
+def _restorable(handler: _Handler) -> _Handler:
     # getsignal() returns None for handlers not installed from Python; signal() refuses
     # None, and the default action is the closest thing we can put back.
     return signal.SIG_DFL if handler is None else handler

@@ -47,6 +47,7 @@ def lineage_report(store: Store, spec: str) -> dict[str, Any]:
     registry = Registry(store)
     name = spec.partition("@")[0]
     report: dict[str, Any] = {"spec": spec, "model": None, "version": None}
+    step: int | str | None
     if name in registry.models():
         version = registry.resolve(spec)
         report["model"] = version.model

@@ -319,8 +319,8 @@ class Registry:
             seq = max(seqs, default=0) + 1
             prev_hash = None
             if seqs:
-                prev_hash = blake3(self.store.backend.read_bytes(f"{prefix}/{seqs[-1]}.json"))
-                prev_hash = prev_hash.hexdigest()
+                prev = self.store.backend.read_bytes(f"{prefix}/{seqs[-1]}.json")
+                prev_hash = blake3(prev).hexdigest()
             stack = self._stacks(model).get(alias, [])
             previous = stack[-1] if stack else None
             version = decide(stack)

@@ -72,7 +72,7 @@ def _check_optimizer(key: str, opt: torch.optim.Optimizer, saved: Any) -> list[s
     if len(groups) != len(live_groups):
         return [f"{key}: {len(groups)} param groups in checkpoint, {len(live_groups)} live"]
     problems = []
-    index_to_param = {}
+    index_to_param: dict[Any, torch.Tensor] = {}
     for i, (g, lg) in enumerate(zip(groups, live_groups)):
         if len(g["params"]) != len(lg["params"]):
             problems.append(

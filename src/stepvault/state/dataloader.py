@@ -160,7 +160,7 @@ class ResumableLoader:
             raise ValueError(f"at_epoch_end must be 'finish' or 'next', got {at_epoch_end!r}")
         if isinstance(loader, ResumableLoader):
             loader = loader.loader
-        self.loader = loader
+        self.loader: Any = loader
         self.at_epoch_end = at_epoch_end
         self._stateful = is_stateful_loader(loader)
         self._pending: dict[str, Any] | None = None

@@ -42,9 +42,9 @@ def setup_tiers(
             if coordinator and known.get(name) != spec:
                 add_tier(hot, spec)
     specs = read_tier_specs(hot)
-    for name in tiers or {}:
+    for name, target in (tiers or {}).items():
         if not any(s.name == name for s in specs):  # another rank records it
-            specs.append(spec_for(name, tiers[name]))
+            specs.append(spec_for(name, target))
     opened = Tiers(hot, specs, stores)
     view: Store = TieredView(opened) if opened.cold_names else hot
     mover = None

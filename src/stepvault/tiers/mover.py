@@ -181,7 +181,7 @@ def owed_steps(
     """Of ``steps``, those the policy wants in a cold tier that does not hold them yet
     (a keep policy must not delete them from hot before the mover copied them)."""
     placement = policy.place(sorted(records, key=lambda r: r.step), time.time(), holdings)
-    owed = set()
+    owed: set[int] = set()
     for tier, wanted in placement.cold.items():
         held = holdings.get(tier, set())
         owed.update(s for s in steps if s in wanted and s not in held)
@@ -325,6 +325,7 @@ class TierMover:
             # No save in this session (e.g. a run resumed right after its last save and
             # closed): a crashed predecessor may still owe copies, so make the last pass anyway.
             self._start()
+        assert self._thread is not None  # _start() sets it
         timeout = self.close_timeout if timeout is None else timeout
         finished = True
         if wait and self._thread.is_alive():

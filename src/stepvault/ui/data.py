@@ -191,9 +191,8 @@ def run_detail(reader: StoreReader, run: str) -> dict[str, Any]:
             continue
         scored = [s for s in good if metric in s.metrics]
         if scored:
-            pick = (max if best_mode(metric) == "max" else min)(
-                scored, key=lambda s, m=metric: s.metrics[m]
-            )
+            ranked = sorted(scored, key=lambda s, m=metric: s.metrics[m])  # type: ignore[misc]
+            pick = ranked[-1] if best_mode(metric) == "max" else ranked[0]
             best.setdefault(pick.step, []).append(metric)
     checkpoints = [
         {
@@ -252,7 +251,7 @@ def keep_policy_from(params: Mapping[str, str]) -> Any:
         mode = params.get("mode", "min")
         if not metric or mode not in ("min", "max"):
             raise InvalidNameError("keep_best needs metric=NAME and mode=min|max")
-        rules.append(KeepBest(n, metric=metric, mode=mode))
+        rules.append(KeepBest(n, metric=metric, mode="max" if mode == "max" else "min"))
     if (n := number("keep_every")) is not None:
         rules.append(KeepEvery(steps=n))
     policy = None

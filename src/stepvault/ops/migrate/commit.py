@@ -144,8 +144,18 @@ def import_checkpoints(
     report = progress if progress is not None else (lambda done, total: None)
     report(0, sum(sizes))
     if not folders:
-        kwargs = dict(run=run, step=step, format=format, trust=trust, codec=codec)
-        out = [import_checkpoint(root, path, overwrite=overwrite, **kwargs)]
+        out = [
+            import_checkpoint(
+                root,
+                path,
+                run=run,
+                step=step,
+                format=format,
+                trust=trust,
+                codec=codec,
+                overwrite=overwrite,
+            )
+        ]
         report(sizes[0], sizes[0])
         return out
     if step is not None:
