@@ -236,3 +236,16 @@ def test_restore_assign_on_damage_changes_nothing(tmp_path):
         stepvault.restore(tmp_path, {"model": model}, run="r", step=1, assign=True)
     assert all(p is q for p, q in zip(params, model.parameters()))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_manager_restore_passes_assign_through(tmp_path):
+    torch.manual_seed(0)
+    trained = Net()
+    with stepvault.CheckpointManager(tmp_path, run="r", async_save=False) as mgr:
+        mgr.save(1, {"model": trained}, force=True)
+    model = Net()
+    old = model.a.weight
+    with stepvault.CheckpointManager(tmp_path, run="r") as mgr:
+        info = mgr.restore({"model": model}, assign=True)
+    assert info.step == 1 and model.a.weight is not old
+    assert torch.equal(model.a.weight, trained.a.weight)
