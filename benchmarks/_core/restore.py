@@ -23,6 +23,7 @@ from _common import (
 import stepvault
 
 from .cold import ColdResults, bench_cold_restore
+from .mmap_load import MmapOneResults, bench_mmap_one
 from .stages import restore_stages
 
 
@@ -35,6 +36,7 @@ class RestoreResults:
     stage_faults: dict[str, list[int]] = field(default_factory=dict)
     orders: list[list[str]] = field(default_factory=list)
     cold: ColdResults | None = None
+    mmap_one: MmapOneResults | None = None
 
     def ratio(self) -> float:
         return median(self.times["stepvault"]) / median(self.times["safetensors"])
@@ -107,6 +109,7 @@ def bench_restore(
         for k, (dt, nf) in restore_stages(sv_root, dest, st_path).items():
             res.stages.setdefault(k, []).append(dt)
             res.stage_faults.setdefault(k, []).append(nf)
+    res.mmap_one = bench_mmap_one(flat, st_path, sv_root, max(3, repeats), log)
     dest.clear()  # the cold children need the memory more than this process does
     gc.collect()
     if cold_repeats:

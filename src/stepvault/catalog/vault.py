@@ -63,18 +63,30 @@ class Checkpoint:
             return [k for k, e in entries.items() if e["type"] == "tensor"]
         return list(self.manifest.tensors)
 
-    def tensor(self, name: str) -> Any:
+    def tensor(self, name: str, *, mmap: bool = False) -> Any:
         """Read one tensor lazily: only its objects are fetched (and verified). Shards of a
-        multi-rank checkpoint are assembled into the full tensor."""
+        multi-rank checkpoint are assembled into the full tensor.
+
+        ``mmap=True``: zero-copy where the bytes allow it, as in :meth:`load`.
+        """
         if self.manifest.sharded:
             return self._reader.read_sharded(name)
-        return self._reader.read(name)
+        return self._reader.read(name, private=not mmap)
 
-    def load(self) -> dict[str, Any]:
-        """The whole saved state as plain state dicts (no live objects, no process group)."""
+    def load(self, *, mmap: bool = False) -> dict[str, Any]:
+        """The whole saved state as plain state dicts (no live objects, no process group).
+
+        Every object is read and verified before any tensor is returned. By default each
+        tensor has memory of its own. ``mmap=True`` (for inference, export or evaluation
+        jobs that read a checkpoint once): a tensor stored in one raw object on a local
+        store is a view of that object's private copy-on-write mapping, like
+        ``safetensors.safe_open``: no copy, and writing to it never changes the store.
+        Tensors larger than one chunk, objects of another codec (zstd, float) and stores
+        that cannot be mapped (fsspec) decode into fresh memory.
+        """
         if self.manifest.sharded:
             return self._load_sharded()
-        arrays = self._reader.read_all()
+        arrays = self._reader.read_all(private=not mmap)
         return decode_value(self.manifest.state, lambda kind, name: arrays[name])
 
     def _load_sharded(self) -> dict[str, Any]:

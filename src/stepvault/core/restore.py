@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..format import decode_value
 from ..state import apply, validate
+from ..state.assigning import mapped_tree
 from ..state.placement import place_and_materialize
 from ..store import Store, validate_run_name, validate_step
 from .info import RestoreInfo, SkippedCheckpoint
@@ -75,11 +76,13 @@ class RestorePlanner:
         fallback: bool,
         strict: bool = True,
         full_only: bool = False,
+        assign: bool = False,
     ) -> RestoreInfo:
         """Restore the first of ``candidates`` that verifies (all tried if ``fallback``).
 
         ``full_only`` passes over weights-only checkpoints (they cannot restore a training
         state with an optimizer, step or RNG; they are not damaged, so not reported).
+        ``assign``: see :func:`restore`.
         """
         t0 = time.perf_counter()
         skipped: list[SkippedCheckpoint] = []
@@ -111,7 +114,7 @@ class RestorePlanner:
                 skipped.append(SkippedCheckpoint(candidate, reason))
                 continue
             # Every object is verified and the state fits: only now is live state touched.
-            place(opened, state, strict=strict)
+            place(opened, state, strict=strict, assign=assign)
             return RestoreInfo.of_manifest(
                 opened.manifest, opened.metadata(), skipped, time.perf_counter() - t0
             )
@@ -128,13 +131,23 @@ class RestorePlanner:
         )
 
 
-def place(opened: OpenedCheckpoint, state: MutableMapping[str, Any], *, strict: bool) -> None:
-    """Copy a verified checkpoint into the live objects of ``state`` (the last step)."""
+def place(
+    opened: OpenedCheckpoint,
+    state: MutableMapping[str, Any],
+    *,
+    strict: bool,
+    assign: bool = False,
+) -> None:
+    """Copy a verified checkpoint into the live objects of ``state`` (the last step); with
+    ``assign`` the live objects take the (mapped) restored tensors instead."""
     manifest = opened.manifest
     pending = decode_value(manifest.state, PendingArray)
-    tree = place_and_materialize(state, pending, opened.reader)
+    if assign:
+        tree = mapped_tree(state, pending, opened.reader)
+    else:
+        tree = place_and_materialize(state, pending, opened.reader)
     opened.release()
-    apply(state, tree, manifest.state_kinds, strict=strict, validated=True)
+    apply(state, tree, manifest.state_kinds, strict=strict, validated=True, assign=assign)
 
 
 def restore_candidates(
@@ -147,10 +160,11 @@ def restore_candidates(
     strict: bool = True,
     workers: int | None = None,
     full_only: bool = False,
+    assign: bool = False,
 ) -> RestoreInfo:
     """Restore the first of ``candidates`` that verifies (see :meth:`RestorePlanner.restore`)."""
     return RestorePlanner(store, run, workers=workers).restore(
-        state, candidates, fallback=fallback, strict=strict, full_only=full_only
+        state, candidates, fallback=fallback, strict=strict, full_only=full_only, assign=assign
     )
 
 
@@ -164,6 +178,7 @@ def restore(
     missing_ok: bool = False,
     workers: int | None = None,
     collective: bool | None = None,
+    assign: bool = False,
 ) -> RestoreInfo | None:
     """Load checkpoint ``run@step`` into the live objects of ``state``.
 
@@ -174,11 +189,21 @@ def restore(
     checkpoint is checked against the live state (keys, shapes, dtypes, types), before
     anything in ``state`` is changed: a failed restore leaves the training state as it was.
 
+    ``assign=True`` (for inference, evaluation or export jobs that read a checkpoint once):
+    instead of copying into the live tensors, modules take the verified stored tensors
+    themselves (``load_state_dict(assign=True)``; top-level tensors are replaced in
+    ``state``). A tensor in one raw object of a local store is then a view of that object's
+    private copy-on-write mapping: no copy, and writing to it (training it) never changes
+    the store. Larger tensors and other codecs decode into fresh memory. Create optimizers
+    after such a restore: the modules hold new parameter objects. Not for checkpoints
+    written by several ranks.
+
     Returns None when the run has no checkpoint and ``missing_ok`` is true (a fresh start).
     Under a process group every rank calls it; a checkpoint saved on N ranks loads on M.
     """
     validate_run_name(run)
     if is_collective(state, collective):
+        _no_assign(assign)
         return restore_collective(root, state, run, step, missing_ok, workers)
     try:
         store = Store.open(root)
@@ -200,6 +225,7 @@ def restore(
                 f"(runs: {', '.join(store.list_runs()) or 'none'})"
             )
         if planner.is_sharded(steps[-1]):
+            _no_assign(assign)
             return restore_collective(store, state, run, step, missing_ok, planner.workers)
         # Like the manager: "latest" of a training state is the newest *full* checkpoint;
         # a state of modules alone also takes weights-only ones.
@@ -213,12 +239,23 @@ def restore(
             fallback=True,
             strict=strict,
             full_only=full_only,
+            assign=assign,
         )
     explicit = validate_step(step)
     if planner.is_sharded(explicit):
+        _no_assign(assign)
         return restore_collective(store, state, run, step, missing_ok, planner.workers)
     copies = with_copies(store, run, [explicit])  # the same step, any tier
-    return planner.restore(state, copies, fallback=len(copies) > 1, strict=strict)
+    return planner.restore(state, copies, fallback=len(copies) > 1, strict=strict, assign=assign)
+
+
+def _no_assign(assign: bool) -> None:
+    if assign:
+        raise ValueError(
+            "restore(assign=True) reads checkpoints of one process; a checkpoint written by "
+            "several ranks (or a restore under a process group) is restored in place: "
+            "pass assign=False"
+        )
 
 
 def restore_collective(

@@ -8,6 +8,7 @@ made two of them share one object.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,11 @@ def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryvie
     if raw.readonly:
         raw = memoryview(bytearray(raw))
     return raw
+
+
+def is_mapped(view: memoryview) -> bool:
+    """Whether ``view`` is (a slice of) a store object's memory map, not fresh memory."""
+    return isinstance(view.obj, mmap.mmap)
 
 
 class PendingArray:
@@ -108,15 +114,19 @@ class CheckpointReader:
         # The same bytes handed out twice (dedup) must not become two aliasing tensors.
         return memoryview(bytearray(view)) if shared else view
 
-    def read(self, name: str) -> Any:
-        """One tensor (torch) or array (numpy), verified; reads only the objects it needs."""
+    def read(self, name: str, *, private: bool = False) -> Any:
+        """One tensor (torch) or array (numpy), verified; reads only the objects it needs.
+
+        A tensor that lies in one raw object on local disk is a view of that object's
+        copy-on-write mapping; ``private=True`` copies it into fresh memory instead.
+        """
         entry = self.manifest.tensors.get(name)
         if entry is None:
             raise KeyError(
                 f"no tensor {name!r} in {self.manifest.run}@{self.manifest.step}; "
                 f"it has {len(self.manifest.tensors)} tensors (see .tensor_names())"
             )
-        return self._build(entry)
+        return self._build(entry, private=private)
 
     def meta(self, name: str) -> Any:
         """A zero-memory stand-in with the stored shape and dtype (for validation)."""
@@ -178,9 +188,11 @@ class CheckpointReader:
             parallel_copy(pairs)
         return True
 
-    def _build(self, entry: TensorEntry) -> Any:
+    def _build(self, entry: TensorEntry, *, private: bool = False) -> Any:
         if len(entry.chunks) == 1:
             data = self._range(*entry.chunks[0])
+            if private and is_mapped(data):
+                data = memoryview(bytearray(data))
         else:
             buf = bytearray(entry.nbytes)
             at = 0
@@ -211,10 +223,14 @@ class CheckpointReader:
             box.copy_(piece)
         return full
 
-    def read_all(self) -> dict[str, Any]:
-        """Every tensor of the checkpoint, all objects verified before any is returned."""
+    def read_all(self, *, private: bool = False) -> dict[str, Any]:
+        """Every tensor of the checkpoint, all objects verified before any is returned
+        (``private``: as in :meth:`read`)."""
         self.prefetch(d for t in self.manifest.tensors.values() for d, _, _ in t.chunks)
-        return {name: self._build(entry) for name, entry in self.manifest.tensors.items()}
+        return {
+            name: self._build(entry, private=private)
+            for name, entry in self.manifest.tensors.items()
+        }
 
     def release(self) -> None:
         """Drop cached objects (the tensors already handed out stay valid)."""

@@ -375,16 +375,18 @@ class CheckpointManager:
         step: int | Literal["latest", "best"] = "latest",
         *,
         strict: bool = True,
+        assign: bool = False,
     ) -> RestoreInfo | None:
         """Load a checkpoint into ``state``; None when the run has none (a fresh start).
 
         ``"latest"``: the newest full checkpoint that verifies, falling back past damaged
         ones (each reported in ``info.skipped``). ``"best"``: the best by the manager's
         metric, falling back to the next best. An int: exactly that step, no fallback.
+        ``assign``: as in :func:`stepvault.restore` (modules take the mapped tensors).
         """
         self._check()
         self.wait()
-        info = self._restorer.restore(state, step, strict=strict)
+        info = self._restorer.restore(state, step, strict=strict, assign=assign)
         if info is not None:
             self._last_save_step = info.step
         return info

@@ -50,7 +50,7 @@ class ManagerRestorer:
         return candidates, fallback
 
     def restore(
-        self, state: MutableMapping[str, Any], step: StepRef, *, strict: bool
+        self, state: MutableMapping[str, Any], step: StepRef, *, strict: bool, assign: bool = False
     ) -> RestoreInfo | None:
         s = self.session
         t0 = time.perf_counter()
@@ -59,7 +59,7 @@ class ManagerRestorer:
             s.event("restore", step=None, result="fresh start")
             return None
         try:
-            info = self._restore(state, candidates, fallback, strict)
+            info = self._restore(state, candidates, fallback, strict, assign)
         except BaseException as exc:
             skipped = getattr(exc, "skipped", [])
             s.stats.restored(False, len(skipped))
@@ -93,8 +93,11 @@ class ManagerRestorer:
         candidates: list[int],
         fallback: bool,
         strict: bool,
+        assign: bool = False,
     ) -> RestoreInfo:
         s = self.session
+        if assign and s.scope.collective:
+            raise ValueError("restore(assign=True) is for one process; pass assign=False")
         if s.scope.collective:
             return self._restore_collective(state, candidates, fallback)
         from ..tiers.view import read_workers
@@ -108,7 +111,7 @@ class ManagerRestorer:
         if planner.is_sharded(first) and planner.open(first).manifest.kind == "full":
             s.scope.check_restore(s.run, first)
             return self._restore_collective(state, candidates, fallback)
-        return planner.restore(state, candidates, fallback=fallback, strict=strict)
+        return planner.restore(state, candidates, fallback=fallback, strict=strict, assign=assign)
 
     def _restore_collective(
         self, state: MutableMapping[str, Any], candidates: list[int], fallback: bool

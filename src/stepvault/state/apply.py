@@ -164,10 +164,13 @@ def apply(
     *,
     strict: bool = True,
     validated: bool = False,
+    assign: bool = False,
 ) -> None:
     """Validate (unless ``validated``), then load ``restored`` into ``state`` in place.
 
     Entries marked placed (see :mod:`.placement`) already hold their bytes and are skipped.
+    ``assign``: modules take the restored tensors themselves
+    (``load_state_dict(assign=True)``) and top-level tensors are replaced in ``state``.
     """
     from .placement import Placed
 
@@ -185,12 +188,14 @@ def apply(
         if kind == "module":
             rest = {k: v for k, v in saved.items() if not isinstance(v, Placed)}
             if len(rest) == len(saved):
-                obj.load_state_dict(saved, strict=strict)
+                obj.load_state_dict(saved, strict=strict, assign=assign)
             elif rest:
                 # Key sets were checked by validate(); the placed tensors are loaded already.
                 obj.load_state_dict(rest, strict=False)
         elif kind in ("optimizer", "stateful"):
             obj.load_state_dict(saved)
+        elif kind == "tensor" and assign:
+            state[key] = saved
         elif kind == "tensor":
             with torch.no_grad():
                 obj.copy_(saved)

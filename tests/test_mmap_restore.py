@@ -1,0 +1,251 @@
+"""Issue 13 (restore half): verify-then-place on the parallel path, zero-copy loads
+(``load(mmap=True)``) and ``restore(assign=True)``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import stepvault
+from stepvault.engine import copying
+from stepvault.errors import CorruptObjectError, IntegrityError
+from stepvault.store import Store
+
+CHUNK = 64 << 10  # small chunks: several objects per tensor, a "last chunk" to damage
+
+
+def _store(root) -> Store:
+    settings = {"chunk_size": CHUNK, "small_tensor": 16 << 10, "bundle_size": CHUNK}
+    return Store.open(root, create=True, defaults={**settings, "codec": "raw"})
+
+
+def _object_path(root, digest: str) -> str:
+    return os.path.join(root, "objects", digest[:2], digest)
+
+
+def _flip(path: str, at: int = -1) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at, os.SEEK_END)
+        b = f.read(1)
+        f.seek(at, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _file_bytes(root, digest: str) -> bytes:
+    with open(_object_path(root, digest), "rb") as f:
+        return f.read()
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(128, 256)  # 128 KiB weight: two chunks
+        self.b = torch.nn.Linear(256, 64)
+        self.register_buffer("scale", torch.ones(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return [value.detach().clone()]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _snapshot(state):
+    """Every tensor of the live modules and optimizers (parameters, moments), cloned."""
+    return {k: _tensors(v.state_dict()) for k, v in state.items()}
+
+
+def test_damaged_last_chunk_leaves_live_state_unchanged_on_parallel_path(tmp_path, monkeypatch):
+    # Every host copy goes through the thread pool, in pieces, as a large restore does.
+    monkeypatch.setattr(copying, "PARALLEL_FROM", 0)
+    monkeypatch.setattr(copying, "PIECE", 16 << 10)
+    _store(tmp_path)
+    torch.manual_seed(0)
+    saved = {"model": Net(), "opt": None}
+    saved["opt"] = torch.optim.AdamW(saved["model"].parameters())
+    saved["model"](torch.randn(4, 128)).sum().backward()
+    saved["opt"].step()
+    stepvault.save(tmp_path, saved, run="r", step=1)
+    with torch.no_grad():
+        for p in saved["model"].parameters():
+            p.add_(1.0)
+    saved["opt"].step()
+    stepvault.save(tmp_path, saved, run="r", step=2)
+
+    m2 = stepvault.open(tmp_path).manifest("r", 2)
+    m1 = stepvault.open(tmp_path).manifest("r", 1)
+    # The last object step 2 names (the last chunk read) and only step 2 has.
+    last = [d for t in m2.tensors.values() for d, _, _ in t.chunks][-1]
+    assert last not in set(m1.objects)
+    _flip(_object_path(tmp_path, last))
+
+    torch.manual_seed(1)
+    live = {"model": Net()}
+    live["opt"] = torch.optim.AdamW(live["model"].parameters())
+    live["model"](torch.randn(4, 128)).sum().backward()
+    live["opt"].step()  # live moments that a failed restore must not touch either
+    before = _snapshot(live)
+    assert len(before["opt"]) == 3 * len(list(live["model"].parameters()))  # step, m, v
+    with pytest.raises(IntegrityError):
+        stepvault.restore(tmp_path, live, run="r", step=2)
+    after = _snapshot(live)
+    for key in before:
+        assert len(before[key]) == len(after[key])
+        for x, y in zip(before[key], after[key]):
+            assert torch.equal(x, y) and x.dtype == y.dtype  # bitwise unchanged
+
+    # "latest" falls back past the damaged step to step 1, as before.
+    info = stepvault.restore(tmp_path, live, run="r")
+    assert info.step == 1 and [s.step for s in info.skipped] == [2]
+    assert torch.equal(
+        live["model"].a.weight, stepvault.open(tmp_path).checkpoint("r", 1).tensor("model/a.weight")
+    )
+
+
+@pytest.fixture
+def stored(tmp_path):
+    _store(tmp_path)
+    torch.manual_seed(0)
+    state = {
+        "big": torch.randn(100_000),  # 400 KB: several chunks (assembled into fresh memory)
+        "one": torch.randn(8_000),  # 32 KB: one object of its own (mapped)
+        "small": torch.randn(10),  # bundled with others (mapped inside the bundle)
+        "ids": torch.arange(5),
+    }
+    stepvault.save(tmp_path, state, run="r", step=1)
+    return tmp_path, state
+
+
+def test_mmap_load_equals_regular_load_and_maps_single_object_tensors(stored):
+    root, state = stored
+    ckpt = stepvault.open(root).checkpoint("r", 1)
+    mapped = ckpt.load(mmap=True)
+    regular = stepvault.open(root).checkpoint("r", 1).load()
+    for k, v in state.items():
+        assert mapped[k].dtype == regular[k].dtype == v.dtype
+        assert torch.equal(mapped[k], regular[k]) and torch.equal(mapped[k], v)
+    # Zero-copy where the bytes are one raw object: the tensor's memory is that object's
+    # mapping; the default load gives memory of its own (no file behind it).
+    digest = ckpt.manifest.tensors["one"].chunks[0][0]
+    assert _mapped_file(mapped["one"]).endswith(digest)
+    assert _mapped_file(mapped["small"]).endswith(ckpt.manifest.tensors["small"].chunks[0][0])
+    assert _mapped_file(regular["one"]) is None
+    assert _mapped_file(mapped["big"]) is None  # several chunks: assembled, fresh memory
+
+
+def _mapped_file(t: torch.Tensor) -> str | None:
+    """The file mapped at ``t``'s memory (from /proc/self/maps), None for anonymous memory."""
+    ptr = t.untyped_storage().data_ptr()
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return fields[5] if len(fields) > 5 and fields[5].startswith("/") else None
+    return None
+
+
+def test_writing_a_mapped_tensor_never_changes_the_store(stored):
+    root, state = stored
+    ckpt = stepvault.open(root).checkpoint("r", 1)
+    loaded = ckpt.load(mmap=True)
+    digests = sorted(ckpt.manifest.objects)
+    files = {d: _file_bytes(root, d) for d in digests}
+    for t in loaded.values():
+        t.add_(7)  # copy-on-write: private pages, the files stay as they were
+    assert {d: _file_bytes(root, d) for d in digests} == files
+    assert stepvault.verify(root, deep=True).ok
+    again = stepvault.open(root).checkpoint("r", 1).load(mmap=True)
+    for k, v in state.items():
+        assert torch.equal(again[k], v)
+
+
+def test_mmap_load_never_hands_out_a_damaged_object(stored):
+    root, _ = stored
+    digest = stepvault.open(root).manifest("r", 1).tensors["one"].chunks[0][0]
+    _flip(_object_path(root, digest))
+    ckpt = stepvault.open(root).checkpoint("r", 1)
+    with pytest.raises(CorruptObjectError, match="does not match its hash"):
+        ckpt.tensor("one", mmap=True)
+    with pytest.raises(CorruptObjectError):
+        stepvault.open(root).checkpoint("r", 1).load(mmap=True)
+    # Tensors in other, sound objects are still readable on their own.
+    assert ckpt.tensor("big", mmap=True).shape == (100_000,)
+
+
+def test_restore_assign_gives_mapped_parameters_that_train(tmp_path):
+    _store(tmp_path)
+    torch.manual_seed(0)
+    trained = Net()
+    stepvault.save(tmp_path, {"model": trained}, run="r", step=1)
+    files = {d: _file_bytes(tmp_path, d) for d in stepvault.open(tmp_path).manifest("r", 1).objects}
+
+    model = Net()
+    old_weight = model.b.weight
+    stepvault.restore(tmp_path, {"model": model}, run="r", assign=True)
+    assert model.b.weight is not old_weight  # assigned, not copied into
+    assert isinstance(model.b.weight, torch.nn.Parameter) and model.b.weight.requires_grad
+    for (k, v), (k2, w) in zip(model.state_dict().items(), trained.state_dict().items()):
+        assert k == k2 and torch.equal(v, w)
+    # b.weight (64 KB) is one object of its own: its memory is that object's mapping.
+    assert "/objects/" in (_mapped_file(model.b.weight) or "")
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # created after the restore
+    before = model.b.weight.detach().clone()
+    model(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    assert not torch.equal(model.b.weight, before)  # the mapped parameter trained
+    assert {d: _file_bytes(tmp_path, d) for d in files} == files
+    assert stepvault.verify(tmp_path, deep=True).ok
+
+
+def test_restore_assign_keeps_tied_parameters_tied(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(300, 64)
+            self.head = torch.nn.Linear(64, 300, bias=False)
+            self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    stepvault.save(tmp_path, {"model": Tied()}, run="r", step=1)
+    model = Tied()
+    stepvault.restore(tmp_path, {"model": model}, run="r", assign=True)
+    assert model.head.weight is model.emb.weight
+
+
+def test_restore_assign_on_damage_changes_nothing(tmp_path):
+    _store(tmp_path)
+    torch.manual_seed(0)
+    stepvault.save(tmp_path, {"model": Net()}, run="r", step=1)
+    m = stepvault.open(tmp_path).manifest("r", 1)
+    _flip(_object_path(tmp_path, [d for t in m.tensors.values() for d, _, _ in t.chunks][-1]))
+    model = Net()
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(IntegrityError):
+        stepvault.restore(tmp_path, {"model": model}, run="r", step=1, assign=True)
+    assert all(p is q for p, q in zip(params, model.parameters()))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_manager_restore_passes_assign_through(tmp_path):
+    torch.manual_seed(0)
+    trained = Net()
+    with stepvault.CheckpointManager(tmp_path, run="r", async_save=False) as mgr:
+        mgr.save(1, {"model": trained}, force=True)
+    model = Net()
+    old = model.a.weight
+    with stepvault.CheckpointManager(tmp_path, run="r") as mgr:
+        info = mgr.restore({"model": model}, assign=True)
+    assert info.step == 1 and model.a.weight is not old
+    assert torch.equal(model.a.weight, trained.a.weight)
