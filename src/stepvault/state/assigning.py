@@ -59,7 +59,7 @@ def mapped_tree(
     out: dict[str, Any] = {}
     for key, saved in tree.items():
         live = state.get(key)
-        if key in state and kind_of(live) == "module" and isinstance(saved, dict):
+        if live is not None and kind_of(live) == "module" and isinstance(saved, dict):
             out[key] = _module_tree(live, saved, reader)
         else:
             out[key] = _materialize(saved, reader)
