@@ -67,7 +67,9 @@ _FAULT_PIECE = 64 << 20
 
 
 def _itemsize(dtype: Any) -> int:
-    return dtype.itemsize if isinstance(dtype, (torch.dtype, np.dtype)) else np.dtype(dtype).itemsize
+    return (
+        dtype.itemsize if isinstance(dtype, (torch.dtype, np.dtype)) else np.dtype(dtype).itemsize
+    )
 
 
 def layout_sizes(signature: tuple) -> dict[str, int]:
@@ -155,17 +157,20 @@ class StagingArea:
     def ready_for(self, signature: tuple) -> bool:
         """Whether a :meth:`stage` of a state with this signature only copies (its block is
         allocated, pre-faulted and of the right layout)."""
-        return self._faulted and self._sizes == layout_sizes(signature)
+        return self._faulted and self._block is not None and aligned_total(signature) <= self.nbytes
 
-    def prepare(self, arrays: dict[str, Any], signature: tuple | None = None) -> None:
-        """Allocate the block for a state shaped like ``arrays`` and fault in every page,
-        so that the next :meth:`stage` is a plain memory copy. Meant for a background
-        thread: it reads only the tensors' addresses, dtypes and shapes."""
+    def prepare(
+        self, arrays: dict[str, Any], signature: tuple | None = None, *, reserve: int = 0
+    ) -> None:
+        """Allocate the block for a state shaped like ``arrays`` (plus ``reserve`` bytes,
+        for entries not in ``arrays``) and fault in every page, so that the next
+        :meth:`stage` is a plain memory copy. Meant for a background thread: it reads only
+        the tensors' addresses, dtypes and shapes."""
         signature = signature_of(arrays) if signature is None else signature
         with self._lock:
             if self._plan is None or self._plan.signature != signature:
                 self._plan = None
-                self._plan = self._build(arrays, signature)
+                self._plan = self._build(arrays, signature, reserve)
             if self._faulted or self._block is None:
                 return
             flat = self._block.numpy()
@@ -182,13 +187,18 @@ class StagingArea:
         """Host memory held for staging."""
         return 0 if self._block is None else self._block.numel()
 
-    def _layout(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    def _layout(self, sizes: dict[str, int], reserve: int = 0) -> dict[str, torch.Tensor]:
         if sizes != self._sizes:
-            self.release()  # the old block goes first, so its memory can be reused
-            block = _host_block(sum(_aligned(n) for n in sizes.values()), self.pin_memory)
-            self.prepared_by = threading.current_thread().name
-            # pinned memory is faulted in by cudaHostAlloc; an empty block has no pages
-            self._faulted = self.pin_memory or block.numel() == 0
+            total = sum(_aligned(n) for n in sizes.values())
+            block = self._block
+            if block is None or total > block.numel():
+                self.release()  # the old block goes first, so its memory can be reused
+                block = _host_block(total + reserve, self.pin_memory)
+                self.prepared_by = threading.current_thread().name
+                # pinned memory is faulted in by cudaHostAlloc; an empty block has no pages
+                self._faulted = self.pin_memory or block.numel() == 0
+            # else: the layout fits the block (prepared with room for it): re-cut it
+            self._buffers = {}
             at = 0
             for name, n in sizes.items():
                 self._buffers[name] = block[at : at + n]
@@ -196,7 +206,7 @@ class StagingArea:
             self._block, self._sizes = block, dict(sizes)
         return self._buffers
 
-    def _build(self, arrays: dict[str, Any], signature: tuple) -> _Plan:
+    def _build(self, arrays: dict[str, Any], signature: tuple, reserve: int = 0) -> _Plan:
         """Where each entry's bytes go (reallocating the block if the layout changed)."""
         values: dict[str, Any] = {
             name: value.detach() if isinstance(value, torch.Tensor) else np.asarray(value)
@@ -209,7 +219,7 @@ class StagingArea:
         for sig in signature:
             if sig[1] == "raw":
                 alias[sig[0]] = first.setdefault(sig[2:], sig[0])
-        buffers = self._layout(layout_sizes(signature))
+        buffers = self._layout(layout_sizes(signature), reserve)
         spans: list[Span] = []
         plan = _Plan(signature, [])
         for sig, (name, value) in zip(signature, values.items()):

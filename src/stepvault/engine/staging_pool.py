@@ -22,6 +22,10 @@ from typing import Any
 
 from .staging_area import StagingArea, aligned_total, signature_of
 
+#: A due save waits for a preparation in flight of a state below this size (faulting it in
+#: takes milliseconds, less than the fsyncs of a synchronous save); a larger one is
+#: written synchronously instead.
+WAIT_FOR_PREPARE_BELOW = 4 << 20
 #: Saves in flight at most, whatever the budget (the writer runs them one after another;
 #: more queued copies only hold memory).
 MAX_IN_FLIGHT = 4
@@ -66,12 +70,13 @@ class StagingPool:
         return min(MAX_IN_FLIGHT, self.budget // n)
 
     # ------------------------------------------------------------------ preparing
-    def prepare(self, arrays: dict[str, Any]) -> Future | None:
-        """Allocate and pre-fault areas for a state shaped like ``arrays`` in the
-        background: every free area, and one more while the budget allows (the next
-        save in flight). Returns the background job (None when there is nothing to do)."""
+    def prepare(self, arrays: dict[str, Any], *, reserve: int = 0) -> Future | None:
+        """Allocate and pre-fault areas for a state shaped like ``arrays`` (plus
+        ``reserve`` bytes for entries that are not in it) in the background: every free
+        area, and one more while the budget allows (the next save in flight). Returns the
+        background job (None when there is nothing to do)."""
         signature = signature_of(arrays)  # on the caller's thread: the state as it is now
-        state_bytes = aligned_total(signature)
+        state_bytes = aligned_total(signature) + reserve
         with self._lock:
             if self._closed:
                 return None
@@ -90,23 +95,25 @@ class StagingPool:
             for a in todo:
                 self._free.remove(a)
             arrays = dict(arrays)  # keeps the tensors alive until their layout is read
-            job = self._preparer.submit(self._prepare, todo, arrays, signature)
+            job = self._preparer.submit(self._prepare, todo, arrays, signature, reserve)
             self._pending = job
             return job
 
-    def _prepare(self, areas: list[StagingArea], arrays: dict[str, Any], signature: tuple) -> None:
+    def _prepare(
+        self, areas: list[StagingArea], arrays: dict[str, Any], signature: tuple, reserve: int
+    ) -> None:
         try:
             for area in areas:
                 with self._lock:
                     others = sum(a.nbytes for a in self._areas if a is not area)
-                need = aligned_total(signature)
+                need = aligned_total(signature) + reserve
                 if self.budget is not None and others + need > self.budget:
                     area.release()  # would pass the budget: this area goes
                     with self._lock:
                         self._areas.remove(area)
                     continue
                 # (a changed layout's old block is unmapped before the new one is mapped)
-                area.prepare(arrays, signature)
+                area.prepare(arrays, signature, reserve=reserve)
                 with self._lock:
                     self.peak_bytes = max(self.peak_bytes, sum(a.nbytes for a in self._areas))
         finally:
@@ -130,6 +137,11 @@ class StagingPool:
         """A free area ready for ``arrays`` (never allocates), or None: then the caller
         saves synchronously and the pool prepares for the next save in the background."""
         signature = signature_of(arrays)
+        if self.preparing and aligned_total(signature) < WAIT_FOR_PREPARE_BELOW:
+            try:
+                self.wait_prepared()
+            except Exception:  # a failed preparation: this save is synchronous instead
+                pass
         with self._lock:
             for area in self._free:
                 if area.ready_for(signature):
@@ -167,4 +179,3 @@ class StagingPool:
             areas, self._areas, self._free = self._areas, [], []
         for area in areas:
             area.release()
-

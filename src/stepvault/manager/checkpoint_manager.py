@@ -36,6 +36,7 @@ from ..store.lease import DEFAULT_STALE_AFTER
 from ..store.signing import Signer
 from .hooks import NotifyMover, Retention, tracked_best
 from .options import IfBusy, ManagerOptions
+from .preparing import readable_part
 from .restoring import ManagerRestorer
 from .saving import AfterCommit, CollectiveWriter, LocalWriter, SavePipeline
 from .scope import choose_scope
@@ -366,27 +367,35 @@ class CheckpointManager:
 
         Allocating host buffers and faulting in their pages costs more than a synchronous
         save; this starts it on a background thread and returns at once (``wait=True``
-        blocks until the buffers are ready). ``restore()`` and a ``save()`` call that is
-        not due do the same by themselves. Without ``async_save``, or for a multi-rank
+        blocks until the buffers are ready). It calls ``state_dict()`` of every object
+        in ``state``, as a save does. ``restore()`` and a ``save()`` call that is not due
+        prepare by themselves, reading only modules, optimizers and tensors (a user
+        object's ``state_dict()`` may have effects; 1 MiB is left for the rest). Without ``async_save``, or for a multi-rank
         (DCP) manager, it does nothing.
         """
+        self._prepare(state, implicit=False, wait=wait)
+
+    def _prepare(self, state: Mapping[str, Any], *, implicit: bool, wait: bool = False) -> None:
         self._check()
         if self._pipeline.bg is None or not isinstance(self._pipeline.writer, LocalWriter):
             return
         from ..state.snapshot import take_snapshot
 
+        reserve = 0
+        if implicit:  # only what a snapshot reads without effects (see .preparing)
+            state, reserve = readable_part(state)
         # The snapshot (state_dict() calls) runs here, on the caller's thread, where the
         # state may be read; only the allocation and page faults run in the background.
-        self._staging.prepare(take_snapshot(state, kind="full").arrays)
+        self._staging.prepare(take_snapshot(state, kind="full").arrays, reserve=reserve)
         if wait:
             self._staging.wait_prepared()
 
     def _prepare_soon(self, state: Mapping[str, Any]) -> None:
         # Until buffers are ready (and not while a preparation runs): a non-due save()
-        # is the manager's first sight of the state.
+        # or a restore() is the manager's first sight of the state.
         if not self._staging.ready and not self._staging.preparing:
             try:
-                self.prepare(state)
+                self._prepare(state, implicit=True)
             except (TypeError, ValueError):
                 pass  # a state that cannot be saved fails at its due save, with the message
 
