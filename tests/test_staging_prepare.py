@@ -207,7 +207,7 @@ def test_staging_memory_sizes_are_parsed_and_checked():
     assert parse_size("x", 4096) == 4096
     assert ManagerOptions(staging_memory="2KB").staging_memory == 2000
     for bad in ("8 gigs", -1, True, "GB", 1.5):
-        with pytest.raises(ValueError, match="staging_memory must be .* such as '8GB'"):
+        with pytest.raises(ValueError, match=r"staging_memory must be .* such as '8GB'"):
             ManagerOptions(staging_memory=bad)
 
 

@@ -82,13 +82,12 @@ class StagingPool:
                 return None
             self._state_bytes = state_bytes
             todo = [a for a in self._free if not a.ready_for(signature)]
-            busy = len(self._areas) - len(self._free)
-            if not any(a.ready_for(signature) for a in self._free) and not todo:
-                if len(self._areas) < self.slots() and busy < self.slots():
-                    area = StagingArea(pin_memory=self.pin_memory)
-                    self._areas.append(area)
-                    self._free.append(area)
-                    todo.append(area)
+            ready = any(a.ready_for(signature) for a in self._free)
+            if not ready and not todo and len(self._areas) < self.slots():
+                area = StagingArea(pin_memory=self.pin_memory)
+                self._areas.append(area)
+                self._free.append(area)
+                todo.append(area)
             if not todo:
                 return None
             # Taken out of the free list while they are prepared (acquire skips them).

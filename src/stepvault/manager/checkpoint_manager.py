@@ -370,8 +370,8 @@ class CheckpointManager:
         blocks until the buffers are ready). It calls ``state_dict()`` of every object
         in ``state``, as a save does. ``restore()`` and a ``save()`` call that is not due
         prepare by themselves, reading only modules, optimizers and tensors (a user
-        object's ``state_dict()`` may have effects; 1 MiB is left for the rest). Without ``async_save``, or for a multi-rank
-        (DCP) manager, it does nothing.
+        object's ``state_dict()`` may have effects; 1 MiB is left for the rest). Without
+        ``async_save``, or for a multi-rank (DCP) manager, it does nothing.
         """
         self._prepare(state, implicit=False, wait=wait)
 
