@@ -111,6 +111,7 @@ class LocalWriter:
                 lineage=s.lineage_ref(),
             )
             add_attachments(s.store, manifest, attachments)  # small files, written now
+            background_wanted = background
             area = self._area(step, snapshot.arrays) if background else None
             if area is not None:
                 try:
@@ -119,8 +120,9 @@ class LocalWriter:
                     self.staging.release(area)
                     raise
             else:
-                background = False  # no ready buffers: this one save is synchronous
-                self.staging.pause()  # the background pre-fault yields the cores to it
+                if background:  # no ready buffers: this one save is synchronous
+                    background = False
+                    self.staging.pause()  # a pre-fault in flight yields the cores to it
                 host = {name: to_host(value) for name, value in snapshot.arrays.items()}
         except BaseException as exc:
             self.staging.resume()
@@ -146,8 +148,10 @@ class LocalWriter:
             finally:
                 if area is not None:
                     self.staging.release(area)
-                else:
+                elif background_wanted:
                     self.staging.resume()
+                    # after the write, so that faulting in memory does not slow it down
+                    self.staging.prepare(snapshot.arrays)
             self._parent = manifest
             rate = info.throughput if math.isfinite(info.throughput) else None
             return info, {"throughput_bytes_per_s": rate}
