@@ -301,3 +301,30 @@ def test_bench_gpu_exits_cleanly_without_a_gpu():
     )
     assert out.returncode == 0, out.stderr
     assert "no CUDA device" in out.stdout
+
+
+def test_implicit_preparation_calls_no_state_dict_of_user_objects(tmp_path, allocations):
+    """restore() and non-due saves read only modules, optimizers and tensors: a user
+    object's state_dict() (a StatefulDataLoader draws a seed in it) runs at due saves only."""
+
+    class Counter:
+        def __init__(self):
+            self.calls = 0
+            self.n = 0
+
+        def state_dict(self):
+            self.calls += 1
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    state = {**_state(), "counter": Counter()}
+    with CheckpointManager(tmp_path, "r", save=Every(steps=3)) as mgr:
+        assert mgr.restore(state) is None
+        assert mgr.save(1, state) is None and mgr.save(2, state) is None
+        _wait_ready(mgr)
+        assert state["counter"].calls == 0
+        _assert_off_thread(allocations, mgr, state)
+        assert mgr.save(3, state).asynchronous  # the rest fit in the block's reserve
+        assert state["counter"].calls == 1

@@ -297,8 +297,22 @@ class StagingArea:
     def release(self) -> None:
         """Free the staging memory."""
         self._device.wait()  # no copy may still be writing into the block
+        pinned = self._block is not None and self.pin_memory and self._block.numel() > 0
         self._faulted = False
         self._plan = None
         self._buffers = {}
         self._sizes = {}
         self._block = None
+        if pinned:
+            _free_pinned_cache()
+
+
+def _free_pinned_cache() -> None:
+    """Hand cached pinned blocks back to the system: torch's host allocator keeps freed
+    pinned memory for reuse, which would keep a released staging block resident."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is not None:
+        try:
+            empty()
+        except RuntimeError:  # no accelerator initialised: nothing cached
+            pass
