@@ -68,6 +68,7 @@ def test_async_save_returns_before_the_write_and_stages_a_copy(tmp_path, monkeyp
 
     monkeypatch.setattr(Store, "put_object", gated)
     with CheckpointManager(tmp_path, "r", async_save=True) as mgr:
+        mgr.prepare(state, wait=True)  # buffers ready: the first save is async
         expected = state["model"].weight.detach().clone()
         handle = mgr.save(1, state)
         assert not handle.done()  # the write is blocked, save() returned anyway
@@ -83,6 +84,7 @@ def test_async_save_returns_before_the_write_and_stages_a_copy(tmp_path, monkeyp
 def test_background_error_surfaces_and_leaves_no_checkpoint(tmp_path, monkeypatch):
     state = _state()
     with CheckpointManager(tmp_path, "r", async_save=True) as mgr:
+        mgr.prepare(state, wait=True)  # buffers ready: the first save is async
         mgr.save(1, state)
         mgr.wait()
 
@@ -106,12 +108,14 @@ def test_background_error_surfaces_and_leaves_no_checkpoint(tmp_path, monkeypatc
 
 def test_close_raises_a_pending_error(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, "r", async_save=True)
+    state = _state()
+    mgr.prepare(state, wait=True)  # buffers ready: the first save is async
 
     def boom(self, *a, **k):
         raise OSError("late failure")
 
     monkeypatch.setattr(Store, "commit_manifest", boom)
-    mgr.save(1, _state())
+    mgr.save(1, state)
     with pytest.raises(OSError, match="late failure"):
         mgr.close()
     # the lease was released despite the error
@@ -126,6 +130,7 @@ def test_if_busy_skip(tmp_path, monkeypatch):
     )
     state = _state()
     with CheckpointManager(tmp_path, "r", if_busy="skip") as mgr:
+        mgr.prepare(state, wait=True)  # buffers ready: the first save is async
         assert mgr.save(1, state) is not None
         assert mgr.save(2, state) is None  # previous one still writing: skipped
         gate.set()

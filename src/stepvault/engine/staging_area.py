@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from ..format.dtypes import dtype_from_numpy
 from ..format.encoding import torch_dtype_name
 from .copying import PARALLEL_FROM, STAGE_PIECE, Span, copy_spans, split_spans
+from .device_copy import DeviceCopies
 from .staging import HostArray
 
 #: Each buffer starts at a multiple of this inside the block (any dtype can view it).
@@ -57,6 +59,42 @@ def _host_block(nbytes: int, pin_memory: bool) -> torch.Tensor:
             pass
     # The tensor holds a reference to the mapping: it is unmapped after the last view.
     return torch.frombuffer(region, dtype=torch.uint8)
+
+
+#: Pre-faulting writes the block in pieces of this size, so that a caller can pause it
+#: between pieces (a synchronous save should not compete with it for the cores).
+_FAULT_PIECE = 64 << 20
+
+
+def _itemsize(dtype: Any) -> int:
+    return (
+        dtype.itemsize if isinstance(dtype, (torch.dtype, np.dtype)) else np.dtype(dtype).itemsize
+    )
+
+
+def layout_sizes(signature: tuple) -> dict[str, int]:
+    """Bytes of buffer each entry of a staging signature needs (0 for a second name of the
+    same storage: tied weights are staged once)."""
+    first: dict[tuple, str] = {}
+    sizes: dict[str, int] = {}
+    for sig in signature:
+        name = sig[0]
+        if sig[1] == "raw" and first.setdefault(sig[2:], name) != name:
+            sizes[name] = 0
+            continue
+        dtype, shape = sig[-2], sig[-1]
+        sizes[name] = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+    return sizes
+
+
+def aligned_total(signature: tuple) -> int:
+    """Bytes of the one block that stages a state with this signature."""
+    return sum(_aligned(n) for n in layout_sizes(signature).values())
+
+
+def signature_of(arrays: dict[str, Any]) -> tuple:
+    """What a staging plan depends on, for every entry of ``arrays``."""
+    return tuple(_signature(name, value) for name, value in arrays.items())
 
 
 def _signature(name: str, value: Any) -> tuple:
@@ -105,16 +143,62 @@ class StagingArea:
         self._buffers: dict[str, torch.Tensor] = {}
         self._sizes: dict[str, int] = {}
         self._plan: _Plan | None = None
+        self._faulted = False  # every page of the block has been written once
+        # prepare() may run on a background thread while stage() runs on the training one
+        self._lock = threading.RLock()
+        #: name of the thread that last allocated and pre-faulted the block (for tests and
+        #: diagnostics: it should never be the training thread)
+        self.prepared_by: str | None = None
+        #: cleared to pause a running pre-fault between pieces (set again to resume)
+        self.may_fault = threading.Event()
+        self.may_fault.set()
+        self._device = DeviceCopies()
+
+    def ready_for(self, signature: tuple) -> bool:
+        """Whether a :meth:`stage` of a state with this signature only copies (its block is
+        allocated, pre-faulted and of the right layout)."""
+        return self._faulted and self._block is not None and aligned_total(signature) <= self.nbytes
+
+    def prepare(
+        self, arrays: dict[str, Any], signature: tuple | None = None, *, reserve: int = 0
+    ) -> None:
+        """Allocate the block for a state shaped like ``arrays`` (plus ``reserve`` bytes,
+        for entries not in ``arrays``) and fault in every page, so that the next
+        :meth:`stage` is a plain memory copy. Meant for a background thread: it reads only
+        the tensors' addresses, dtypes and shapes."""
+        signature = signature_of(arrays) if signature is None else signature
+        with self._lock:
+            if self._plan is None or self._plan.signature != signature:
+                self._plan = None
+                self._plan = self._build(arrays, signature, reserve)
+            if self._faulted or self._block is None:
+                return
+            flat = self._block.numpy()
+            # One byte per 4 KiB page: the write fault maps the page (a huge page where THP
+            # is on); the copy later overwrites it.
+            for at in range(0, flat.size, _FAULT_PIECE):
+                self.may_fault.wait()
+                flat[at : at + _FAULT_PIECE : 4096] = 0
+            self._faulted = True
+            self.prepared_by = threading.current_thread().name
 
     @property
     def nbytes(self) -> int:
         """Host memory held for staging."""
         return 0 if self._block is None else self._block.numel()
 
-    def _layout(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    def _layout(self, sizes: dict[str, int], reserve: int = 0) -> dict[str, torch.Tensor]:
         if sizes != self._sizes:
-            self.release()  # the old block goes first, so its memory can be reused
-            block = _host_block(sum(_aligned(n) for n in sizes.values()), self.pin_memory)
+            total = sum(_aligned(n) for n in sizes.values())
+            block = self._block
+            if block is None or total > block.numel():
+                self.release()  # the old block goes first, so its memory can be reused
+                block = _host_block(total + reserve, self.pin_memory)
+                self.prepared_by = threading.current_thread().name
+                # pinned memory is faulted in by cudaHostAlloc; an empty block has no pages
+                self._faulted = self.pin_memory or block.numel() == 0
+            # else: the layout fits the block (prepared with room for it): re-cut it
+            self._buffers = {}
             at = 0
             for name, n in sizes.items():
                 self._buffers[name] = block[at : at + n]
@@ -122,7 +206,7 @@ class StagingArea:
             self._block, self._sizes = block, dict(sizes)
         return self._buffers
 
-    def _build(self, arrays: dict[str, Any], signature: tuple) -> _Plan:
+    def _build(self, arrays: dict[str, Any], signature: tuple, reserve: int = 0) -> _Plan:
         """Where each entry's bytes go (reallocating the block if the layout changed)."""
         values: dict[str, Any] = {
             name: value.detach() if isinstance(value, torch.Tensor) else np.asarray(value)
@@ -135,16 +219,7 @@ class StagingArea:
         for sig in signature:
             if sig[1] == "raw":
                 alias[sig[0]] = first.setdefault(sig[2:], sig[0])
-        buffers = self._layout(
-            {
-                name: 0
-                if alias.get(name, name) != name
-                else v.numel() * v.element_size()
-                if isinstance(v, torch.Tensor)
-                else v.nbytes
-                for name, v in values.items()
-            }
-        )
+        buffers = self._layout(layout_sizes(signature), reserve)
         spans: list[Span] = []
         plan = _Plan(signature, [])
         for sig, (name, value) in zip(signature, values.items()):
@@ -176,40 +251,71 @@ class StagingArea:
     def stage(self, arrays: dict[str, Any]) -> dict[str, HostArray]:
         """Copy every tensor/array into its buffer; returns host views of the copies.
 
-        When this returns the buffers hold the values as they were at the call: the
-        caller may change the live tensors at once.
+        When this returns the buffers hold the values of host tensors as they were at the
+        call, and the copies of CUDA tensors are enqueued on a side stream that the
+        current stream waits for: the caller may change the live tensors at once (later
+        kernels run after the copy); read the bytes after :meth:`wait_copied`.
         """
-        signature = tuple(_signature(name, value) for name, value in arrays.items())
+        with self._lock:
+            return self._stage(arrays, signature_of(arrays))
+
+    def _stage(self, arrays: dict[str, Any], signature: tuple) -> dict[str, HostArray]:
         plan = self._plan
         if plan is None or plan.signature != signature:
             self._plan = None  # a failure below must not leave a half-built plan behind
             plan = self._plan = self._build(arrays, signature)
+        self._faulted = True  # the copy below writes every page
+        self._device.wait()  # the previous save's device copies are done with the block
         # Safe: the signature pins every raw source's address, dtype and shape (so its
         # length), ``arrays`` keeps those tensors alive for this call, and the block
         # is held by this object.
         copy_spans(plan.shares)
-        needs_sync = False
+        on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name in plan.others:
             value = arrays[name]
             buf = self._buffers[name]
             if isinstance(value, torch.Tensor):
                 t = value.detach()
                 dst = buf.view(t.dtype).view(t.shape)
-                dst.copy_(t, non_blocking=t.device.type == "cuda")
-                needs_sync |= t.device.type == "cuda"
+                if t.device.type == "cuda":
+                    on_device.append((dst, t))
+                else:
+                    dst.copy_(t)
             else:
                 arr = np.asarray(value)
                 dst_np = buf.numpy().view(arr.dtype.newbyteorder("<")).reshape(arr.shape)
                 np.copyto(dst_np, arr)
-        if needs_sync:
-            torch.cuda.synchronize()
+        # Device tensors: copies enqueued on a side stream (the stall is the enqueue); the
+        # writer calls wait_copied() before it reads the bytes.
+        self._device.copy(on_device)
         return {
             name: HostArray(a.kind, a.dtype, list(a.shape), a.data) for name, a in plan.out.items()
         }
 
+    def wait_copied(self) -> None:
+        """Block until the device-to-host copies of the last :meth:`stage` are done (at
+        once on CPU); the writer calls it before it reads the staged bytes."""
+        self._device.wait()
+
     def release(self) -> None:
         """Free the staging memory."""
+        self._device.wait()  # no copy may still be writing into the block
+        pinned = self._block is not None and self.pin_memory and self._block.numel() > 0
+        self._faulted = False
         self._plan = None
         self._buffers = {}
         self._sizes = {}
         self._block = None
+        if pinned:
+            _free_pinned_cache()
+
+
+def _free_pinned_cache() -> None:
+    """Hand cached pinned blocks back to the system: torch's host allocator keeps freed
+    pinned memory for reuse, which would keep a released staging block resident."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is not None:
+        try:
+            empty()
+        except RuntimeError:  # no accelerator initialised: nothing cached
+            pass

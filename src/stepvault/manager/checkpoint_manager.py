@@ -28,7 +28,7 @@ from ..core.info import RestoreInfo, SaveInfo
 from ..core.write import open_store_for_writing
 from ..engine.background import BackgroundWriter
 from ..engine.gc import DEFAULT_GRACE_SECONDS
-from ..engine.staging_area import StagingArea
+from ..engine.staging_pool import StagingPool
 from ..errors import NoValidCheckpointError, StepvaultError
 from ..policy import KeepPolicy, RetentionPlan, SaveContext, SaveDecision, SavePolicy
 from ..store import Store, validate_run_name, validate_step
@@ -36,6 +36,7 @@ from ..store.lease import DEFAULT_STALE_AFTER
 from ..store.signing import Signer
 from .hooks import NotifyMover, Retention, tracked_best
 from .options import IfBusy, ManagerOptions
+from .preparing import readable_part
 from .restoring import ManagerRestorer
 from .saving import AfterCommit, CollectiveWriter, LocalWriter, SavePipeline
 from .scope import choose_scope
@@ -73,7 +74,16 @@ class CheckpointManager:
         save: save policy (default: every ``save()`` call saves).
         keep: keep policy applied after every save (default: keep everything).
         async_save: write in a background thread; training waits only for the copy of
-            tensors into reusable host buffers.
+            tensors into reusable host buffers. The buffers are allocated and pre-faulted
+            in the background as soon as the manager sees the state (``restore()``, a
+            ``save()`` call that is not due, or :meth:`prepare`); a save due before they
+            are ready is written synchronously (it stalls as long as a synchronous save).
+        staging_memory: host memory for those buffers, bytes or a size (``"8GB"``,
+            ``"512MiB"``). Each save in flight holds one copy of the state, so up to
+            ``staging_memory // state size`` saves (at most 4) may be in flight; when
+            that many are, a due save waits for the oldest (or is skipped with
+            ``if_busy="skip"``). A state larger than the budget is saved synchronously,
+            with a warning. Default: one copy (one save in flight).
         if_busy: when a save is due while the previous one is still writing: ``"wait"``
             for it (default) or ``"skip"`` this one (counted in ``stats()``).
         codec: chunk codec for this run's saves (default: the store's setting).
@@ -128,6 +138,7 @@ class CheckpointManager:
         tiers: Mapping[str, Any] | None = None,
         tier_policy: Any = None,
         collective: bool | None = None,
+        staging_memory: int | str | None = None,
     ) -> None:
         # Every option is checked here, before the store is touched.
         self.options = opts = ManagerOptions(
@@ -142,6 +153,7 @@ class CheckpointManager:
             workers=workers,
             on_save_error=on_save_error,
             collective=collective,
+            staging_memory=staging_memory,
         )
         self.run = validate_run_name(run)
         self.save_policy: SavePolicy = save if save is not None else _SaveAlways()
@@ -170,7 +182,7 @@ class CheckpointManager:
         self._lease = scope.acquire_lease(self.store, self.run, lease_stale_after)
         self._closed = False
         self._best = tracked_best(keep, best_metric, best_mode)
-        self._staging = StagingArea()
+        self._staging = StagingPool(opts.staging_memory)  # type: ignore[arg-type]
         writer = (
             CollectiveWriter(s, async_save) if scope.collective else LocalWriter(s, self._staging)
         )
@@ -324,6 +336,7 @@ class CheckpointManager:
                 exit_code=decision.exit_code if decision else None,
             )
         if decision is None:
+            self._prepare_soon(state)
             return None
         ctx = self._context(step, epoch)
         handle = self._pipeline.run(
@@ -348,6 +361,43 @@ class CheckpointManager:
             self.close()
             raise SystemExit(decision.exit_code)
         return handle
+
+    def prepare(self, state: Mapping[str, Any], *, wait: bool = False) -> None:
+        """Get the staging buffers for ``state`` ready before the first due save.
+
+        Allocating host buffers and faulting in their pages costs more than a synchronous
+        save; this starts it on a background thread and returns at once (``wait=True``
+        blocks until the buffers are ready). It calls ``state_dict()`` of every object
+        in ``state``, as a save does. ``restore()`` and a ``save()`` call that is not due
+        prepare by themselves, reading only modules, optimizers and tensors (a user
+        object's ``state_dict()`` may have effects; 1 MiB is left for the rest). Without
+        ``async_save``, or for a multi-rank (DCP) manager, it does nothing.
+        """
+        self._prepare(state, implicit=False, wait=wait)
+
+    def _prepare(self, state: Mapping[str, Any], *, implicit: bool, wait: bool = False) -> None:
+        self._check()
+        if self._pipeline.bg is None or not isinstance(self._pipeline.writer, LocalWriter):
+            return
+        from ..state.snapshot import take_snapshot
+
+        reserve = 0
+        if implicit:  # only what a snapshot reads without effects (see .preparing)
+            state, reserve = readable_part(state)
+        # The snapshot (state_dict() calls) runs here, on the caller's thread, where the
+        # state may be read; only the allocation and page faults run in the background.
+        self._staging.prepare(take_snapshot(state, kind="full").arrays, reserve=reserve)
+        if wait:
+            self._staging.wait_prepared()
+
+    def _prepare_soon(self, state: Mapping[str, Any]) -> None:
+        # Until buffers are ready (and not while a preparation runs): a non-due save()
+        # or a restore() is the manager's first sight of the state.
+        if not self._staging.ready and not self._staging.preparing:
+            try:
+                self._prepare(state, implicit=True)
+            except (TypeError, ValueError):
+                pass  # a state that cannot be saved fails at its due save, with the message
 
     def wait(self) -> SaveInfo | None:
         """Block until the save in flight (if any) is committed; raises its error
@@ -389,6 +439,7 @@ class CheckpointManager:
         info = self._restorer.restore(state, step, strict=strict, assign=assign)
         if info is not None:
             self._last_save_step = info.step
+        self._prepare_soon(state)  # the state as training will save it (optimizer loaded)
         return info
 
     # ----------------------------------------------------------------------- queries
@@ -416,7 +467,12 @@ class CheckpointManager:
 
     def stats(self) -> dict[str, Any]:
         """Summary: saves, failures, stalls, bytes, restores and their success rate."""
-        return self._session.stats.summary(self._staging.nbytes)
+        return self._session.stats.summary(
+            self._staging.nbytes,
+            ready=self._staging.ready,
+            budget=self._staging.budget,
+            peak=self._staging.peak_bytes,
+        )
 
     # ------------------------------------------------------------------------ closing
     def close(self) -> None:
@@ -441,7 +497,7 @@ class CheckpointManager:
             self._stop.set()
             self.save_policy.uninstall()
             self._pipeline.writer.close()
-            self._staging.release()
+            self._staging.close()
             try:
                 if self._lease is not None:
                     self._lease.release()

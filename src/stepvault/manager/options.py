@@ -4,6 +4,7 @@ background writer)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,6 +20,25 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         allowed = " or ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(name: str, value: object) -> int:
+    """Bytes from an int or a size such as ``"8GB"`` (10^9), ``"512MiB"`` (2^20), ``"1.5 GB"``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(
+        f"{name} must be a number of bytes or a size such as '8GB', '512MiB' or '1.5GiB', "
+        f"got {value!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -37,8 +57,14 @@ class ManagerOptions:
     workers: int | None = None
     on_save_error: Literal["raise", "warn"] = "raise"
     collective: bool | None = None
+    #: host memory for staging copies, in bytes (given as an int or "8GB"); None: one copy
+    staging_memory: int | str | None = None
 
     def __post_init__(self) -> None:
+        if self.staging_memory is not None:  # stored as bytes
+            object.__setattr__(
+                self, "staging_memory", parse_size("staging_memory", self.staging_memory)
+            )
         _choice("on_save_error", self.on_save_error, ("raise", "warn"))
         _choice("if_busy", self.if_busy, ("wait", "skip"))
         _choice("best_mode", self.best_mode, ("min", "max"))

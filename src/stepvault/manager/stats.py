@@ -65,7 +65,14 @@ class ManagerStats:
             self.restore_failures += 0 if ok else 1
             self.fallbacks += fallbacks
 
-    def summary(self, staging_bytes: int) -> dict[str, Any]:
+    def summary(
+        self,
+        staging_bytes: int,
+        *,
+        ready: bool = False,
+        budget: int | None = None,
+        peak: int = 0,
+    ) -> dict[str, Any]:
         restores_ok = self.restores - self.restore_failures
         return {
             "saves": self.saves,
@@ -82,5 +89,8 @@ class ManagerStats:
             "fallbacks": self.fallbacks,
             "deleted_checkpoints": self.deleted,
             "freed_bytes": self.freed_bytes,
-            "staging_bytes": staging_bytes,
+            "staging_bytes": staging_bytes,  # host memory held for staging now
+            "staging_ready": ready,  # buffers allocated and pre-faulted for the next save
+            "staging_peak_bytes": peak,
+            "staging_budget_bytes": budget,  # staging_memory (None: one copy of the state)
         }

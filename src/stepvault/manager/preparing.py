@@ -1,0 +1,41 @@
+"""What the manager may read of a state before a save is due, to prepare its staging.
+
+A due save calls ``state_dict()`` of every object in the state; a preparation at
+``restore()`` or at a ``save()`` that is not due must not call more of them than the user
+asked for: a user object's ``state_dict()`` may have effects (torchdata's
+``StatefulDataLoader`` draws its iterator seed from its generator, which broke a bitwise
+resume). So an implicit preparation reads only what has no effects, modules' and
+optimizers' tensors (almost all of a state's bytes), and leaves room for the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+#: Room left in a block prepared from part of a state, for the entries it could not read
+#: (RNG states, small buffers of user objects); a larger rest makes the first due save
+#: synchronous, and the staging is prepared for the whole state from then on.
+RESERVE = 1 << 20
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return True
+    if isinstance(value, Mapping):
+        return all(_plain(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return False
+
+
+def readable_part(state: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+    """``(the entries of state whose snapshot has no side effects, bytes to reserve)``."""
+    part = {k: v for k, v in state.items() if _plain(v)}
+    whole = len(part) == len(state)
+    return part, 0 if whole else RESERVE
