@@ -9,24 +9,13 @@ logs stay clean.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import Progress
 
+from .._progress import ProgressFn, progress_columns
 from .common import err_console
-
-#: ``progress(done, total)``: what an operation reports; total None while unknown.
-ProgressFn = Callable[[int, "int | None"], None]
 
 
 def _no_progress(done: int, total: int | None) -> None:
@@ -56,12 +45,6 @@ class Bars:
         return update
 
 
-def _columns(unit: str) -> list:
-    if unit == "items":
-        return [MofNCompleteColumn()]
-    return [DownloadColumn(binary_units=True), TransferSpeedColumn()]
-
-
 @contextmanager
 def progress_bars(*, as_json: bool = False, unit: str = "bytes") -> Iterator[Bars]:
     """Progress bars on stderr while the block runs; disabled (no-op callbacks) when
@@ -69,14 +52,6 @@ def progress_bars(*, as_json: bool = False, unit: str = "bytes") -> Iterator[Bar
     if as_json or not err_console.is_terminal:
         yield Bars(None)
         return
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TaskProgressColumn(),
-        *_columns(unit),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=False,
-    )
+    progress = Progress(*progress_columns(unit), console=err_console, transient=False)
     with progress:
         yield Bars(progress)

@@ -4,6 +4,7 @@ state tree with meta stand-ins, so that choosing, checking and placing read it o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +36,12 @@ class OpenedCheckpoint:
         """Written by several ranks (read it through DCP)."""
         return bool(self.manifest.sharded)
 
-    def verify_all(self) -> None:
-        """Read and verify every object this checkpoint names (the reader keeps them)."""
-        self.reader.prefetch(d for t in self.manifest.tensors.values() for d, _, _ in t.chunks)
+    def verify_all(self, progress: Callable[[int, int | None], None] | None = None) -> None:
+        """Read and verify every object this checkpoint names (the reader keeps them);
+        ``progress(done, total)`` gets the stored bytes verified so far."""
+        self.reader.prefetch(
+            (d for t in self.manifest.tensors.values() for d, _, _ in t.chunks), progress
+        )
 
     def metadata(self) -> Any:
         """The user metadata saved with it."""

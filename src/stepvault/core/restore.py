@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 
+from .._progress import ProgressFn, terminal_bar
 from ..catalog.records import choose_candidates, listed_records
 from ..engine import PendingArray
 from ..errors import (
@@ -45,10 +47,19 @@ Root = str | os.PathLike[str]
 class RestorePlanner:
     """Restores one run of ``store``: every candidate is opened at most once."""
 
-    def __init__(self, store: Store, run: str, *, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        *,
+        workers: int | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
         self.store = store
         self.run = run
         self.workers = workers
+        #: ``progress(done, total)`` while a candidate's objects are fetched and verified
+        self.progress = progress
         self._opened: dict[int, OpenedCheckpoint] = {}
 
     def open(self, step: int) -> OpenedCheckpoint:
@@ -103,7 +114,7 @@ class RestorePlanner:
                 )
                 if problems:
                     raise StateMismatchError(problems)
-                opened.verify_all()
+                opened.verify_all(self.progress)
             except (IntegrityError, StoreVersionError) as exc:
                 reason = str(exc)
                 if isinstance(exc, CorruptObjectError) and exc.digest:
@@ -179,6 +190,7 @@ def restore(
     workers: int | None = None,
     collective: bool | None = None,
     assign: bool = False,
+    progress: bool | ProgressFn | None = None,
 ) -> RestoreInfo | None:
     """Load checkpoint ``run@step`` into the live objects of ``state``.
 
@@ -198,6 +210,10 @@ def restore(
     after such a restore: the modules hold new parameter objects. Not for checkpoints
     written by several ranks.
 
+    ``progress``: a ``progress(done, total)`` callback (stored bytes fetched and verified),
+    True for a bar on stderr, False for none; None (default) draws a bar when the store (or
+    a tier it reads from) is remote and stderr is a terminal.
+
     Returns None when the run has no checkpoint and ``missing_ok`` is true (a fresh start).
     Under a process group every rank calls it; a checkpoint saved on N ranks loads on M.
     """
@@ -215,38 +231,60 @@ def restore(
 
     store = read_view(store)  # a store with cold tiers restores from any tier, hot first
     planner = RestorePlanner(store, run, workers=workers or read_workers(store))
-    if step == "latest":
-        steps = store.list_steps(run)
-        if not steps:
-            if missing_ok:
-                return None
-            raise CheckpointNotFoundError(
-                f"run {run!r} has no committed checkpoint in {store.backend.url} "
-                f"(runs: {', '.join(store.list_runs()) or 'none'})"
+    with restore_progress(progress, store, f"restore {run}") as report:
+        planner.progress = report
+        if step == "latest":
+            steps = store.list_steps(run)
+            if not steps:
+                if missing_ok:
+                    return None
+                raise CheckpointNotFoundError(
+                    f"run {run!r} has no committed checkpoint in {store.backend.url} "
+                    f"(runs: {', '.join(store.list_runs()) or 'none'})"
+                )
+            if planner.is_sharded(steps[-1]):
+                _no_assign(assign)
+                return restore_collective(store, state, run, step, missing_ok, planner.workers)
+            # Like the manager: "latest" of a training state is the newest *full* checkpoint;
+            # a state of modules alone also takes weights-only ones.
+            full_only = any(not isinstance(v, torch.nn.Module) for v in state.values())
+            # Kinds are checked as each candidate is opened (full_only): no manifest is read
+            # ahead of the restore.
+            chosen = choose_candidates(listed_records(run, steps), "latest", full_only=False)
+            return planner.restore(
+                state,
+                with_copies(store, run, chosen.steps),  # a damaged copy: another tier's
+                fallback=True,
+                strict=strict,
+                full_only=full_only,
+                assign=assign,
             )
-        if planner.is_sharded(steps[-1]):
+        explicit = validate_step(step)
+        if planner.is_sharded(explicit):
             _no_assign(assign)
             return restore_collective(store, state, run, step, missing_ok, planner.workers)
-        # Like the manager: "latest" of a training state is the newest *full* checkpoint;
-        # a state of modules alone also takes weights-only ones.
-        full_only = any(not isinstance(v, torch.nn.Module) for v in state.values())
-        # Kinds are checked as each candidate is opened (full_only): no manifest is read
-        # ahead of the restore.
-        chosen = choose_candidates(listed_records(run, steps), "latest", full_only=False)
+        copies = with_copies(store, run, [explicit])  # the same step, any tier
         return planner.restore(
-            state,
-            with_copies(store, run, chosen.steps),  # a damaged copy: another tier's
-            fallback=True,
-            strict=strict,
-            full_only=full_only,
-            assign=assign,
+            state, copies, fallback=len(copies) > 1, strict=strict, assign=assign
         )
-    explicit = validate_step(step)
-    if planner.is_sharded(explicit):
-        _no_assign(assign)
-        return restore_collective(store, state, run, step, missing_ok, planner.workers)
-    copies = with_copies(store, run, [explicit])  # the same step, any tier
-    return planner.restore(state, copies, fallback=len(copies) > 1, strict=strict, assign=assign)
+
+
+@contextmanager
+def restore_progress(
+    progress: bool | ProgressFn | None, store: Store, description: str
+) -> Iterator[ProgressFn | None]:
+    """The progress callback of a restore: the caller's, a terminal bar (``True``, or by
+    default when ``store`` reads from a remote tier: a slow restore), or None."""
+    if callable(progress):
+        yield progress
+        return
+    from ..tiers.view import read_workers
+
+    if progress is False or (progress is None and read_workers(store) is None):
+        yield None
+        return
+    with terminal_bar(description) as bar:
+        yield bar
 
 
 def _no_assign(assign: bool) -> None:

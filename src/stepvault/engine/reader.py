@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -88,14 +88,24 @@ class CheckpointReader:
         self._handed_out: set[tuple[str, int, int]] = set()
         self._lock = threading.Lock()
 
-    def prefetch(self, digests: Iterable[str]) -> None:
-        """Fetch and verify objects in parallel (raises on the first damaged one)."""
+    def prefetch(
+        self,
+        digests: Iterable[str],
+        progress: Callable[[int, int | None], None] | None = None,
+    ) -> None:
+        """Fetch and verify objects in parallel (raises on the first damaged one);
+        ``progress(done, total)`` gets the stored bytes fetched so far."""
         todo = [d for d in dict.fromkeys(digests) if d not in self._objects]
         if not todo:
             return
+        sizes = {d: e.size for d, e in self.manifest.objects.items()}
+        total, done = sum(sizes.get(d, 0) for d in todo), 0
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             for digest, raw in zip(todo, pool.map(lambda d: fetch_object(self.store, d), todo)):
                 self._objects[digest] = raw
+                if progress is not None:
+                    done += sizes.get(digest, 0)
+                    progress(done, total)
 
     def _object(self, digest: str) -> memoryview:
         raw = self._objects.get(digest)

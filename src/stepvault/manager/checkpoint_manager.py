@@ -426,6 +426,7 @@ class CheckpointManager:
         *,
         strict: bool = True,
         assign: bool = False,
+        progress: Any = None,
     ) -> RestoreInfo | None:
         """Load a checkpoint into ``state``; None when the run has none (a fresh start).
 
@@ -433,9 +434,12 @@ class CheckpointManager:
         ones (each reported in ``info.skipped``). ``"best"``: the best by the manager's
         metric, falling back to the next best. An int: exactly that step, no fallback.
         ``assign``: as in :func:`stepvault.restore` (modules take the mapped tensors).
+        ``progress``: as in :func:`stepvault.restore` (by default a bar on a terminal when
+        the checkpoint is read from a remote tier).
         """
         self._check()
         self.wait()
+        self._restorer.progress = progress
         info = self._restorer.restore(state, step, strict=strict, assign=assign)
         if info is not None:
             self._last_save_step = info.step

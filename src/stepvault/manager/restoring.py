@@ -25,6 +25,9 @@ class ManagerRestorer:
     def __init__(self, session: RunSession, best: list[tuple[str, str]]) -> None:
         self.session = session
         self.best = best
+        #: the restore's progress: a callback, True/False, or None (a bar on a terminal
+        #: when reading from a remote tier), as in :func:`stepvault.restore`
+        self.progress: Any = None
 
     def candidates(self, step: StepRef) -> tuple[list[int], bool]:
         """``(steps to try in order, may fall back)`` for ``step`` (rank 0's, shared)."""
@@ -111,7 +114,13 @@ class ManagerRestorer:
         if planner.is_sharded(first) and planner.open(first).manifest.kind == "full":
             s.scope.check_restore(s.run, first)
             return self._restore_collective(state, candidates, fallback)
-        return planner.restore(state, candidates, fallback=fallback, strict=strict, assign=assign)
+        from ..core.restore import restore_progress
+
+        with restore_progress(self.progress, s.view, f"restore {s.run}") as report:
+            planner.progress = report
+            return planner.restore(
+                state, candidates, fallback=fallback, strict=strict, assign=assign
+            )
 
     def _restore_collective(
         self, state: MutableMapping[str, Any], candidates: list[int], fallback: bool

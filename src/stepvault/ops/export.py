@@ -7,6 +7,7 @@ tensors in one process). Optional dtype cast, name filter and prefix strip. Need
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -48,6 +49,17 @@ def _unescape(name: str) -> str:
     return name.replace("%2F", "/").replace("%25", "%")
 
 
+@dataclass(frozen=True)
+class _Loader:
+    """Reads one tensor when called; ``nbytes`` is its size when the manifest tells."""
+
+    read: Callable[[], Any]
+    nbytes: int | None = None
+
+    def __call__(self) -> Any:
+        return self.read()
+
+
 def weight_tensors(vault: Vault, run: str, step: int | str | None, module: str | None):
     """(export name, loader) pairs of a checkpoint's module weights, in stored order."""
     ckpt = vault.checkpoint(run, step)
@@ -68,14 +80,17 @@ def weight_tensors(vault: Vault, run: str, step: int | str | None, module: str |
         for fqn, e in entries.items():
             path = paths.get(fqn) or fqn.split(".", 1)
             if e["type"] == "tensor" and path[0] == chosen:
-                yield ".".join(str(p) for p in path[1:]), (lambda f=fqn: ckpt.tensor(f))
+                load = _Loader(functools.partial(ckpt.tensor, fqn))
+                yield ".".join(str(p) for p in path[1:]), load
         return
     modules = [k for k, v in m.state_kinds.items() if v == "module"]
     chosen = _choose(module, modules, m)
     prefix = chosen.replace("%", "%25").replace("/", "%2F") + "/"
     for name, entry in m.tensors.items():
         if name.startswith(prefix) and entry.kind == "tensor":
-            yield _unescape(name[len(prefix) :]), (lambda n=name: ckpt.tensor(n))
+            size = sum(length for _, _, length in entry.chunks)
+            load = _Loader(functools.partial(ckpt.tensor, name), size)
+            yield _unescape(name[len(prefix) :]), load
 
 
 def _choose(module: str | None, modules: list[str], m: Any) -> str:
@@ -230,6 +245,7 @@ def _export(
     sizes = [0]
     report.step = step = vault.checkpoint(ref_run, step).manifest.step  # "latest" -> int
     read_bytes = 0
+    chosen = []
     for name, load in weight_tensors(vault, ref_run, step, module):
         if pattern is not None and not pattern.search(name):
             continue
@@ -237,10 +253,14 @@ def _export(
             name = name[len(strip_prefix) :]
         if name in exclude:  # tied weights an HF folder leaves out (ops/export_hf.py)
             continue
+        chosen.append((name, load))
+    sizes_known = [getattr(load, "nbytes", None) for _, load in chosen]
+    total = None if None in sizes_known else sum(n for n in sizes_known if n is not None)
+    for name, load in chosen:
         t = load()
         read_bytes += t.numel() * t.element_size()
         if progress is not None:
-            progress(read_bytes, None)
+            progress(read_bytes, total)  # total known: the bar shows an ETA
         pieces = {name: t}
         if quantize and t.dtype in _CASTABLE and t.dim() >= 2 and t.shape[0] > 0:
             q, scale, error = quantize_int8(t)
