@@ -388,10 +388,14 @@ def test_nodes_times_node_mtbf_and_prices():
 
 @pytest.mark.slow
 def test_simulation_agrees_with_daly_over_the_documented_range():
-    from stepvault.planning.validation import validation_grid
+    from stepvault.planning.validation import GRID, validation_grid
 
-    rows = list(validation_grid(trials=1000, seed=0))
-    assert len(rows) > 200
+    # Every point of the documented range but the longest runs (T_s = 50 M, a third of the
+    # CI time of this test); each point's simulation is seeded alike, so these rows are the
+    # same as in the full grid, which `benchmarks/plan_validation.py` runs (PLANNING.md).
+    grid = {**GRID, "length": tuple(x for x in GRID["length"] if x <= 10.0)}
+    rows = list(validation_grid(trials=1000, seed=0, grid=grid))
+    assert len(rows) > 150
     worst = max(rows, key=lambda r: abs(r["relative_difference"]))
     assert abs(worst["relative_difference"]) < 0.02, worst
 
