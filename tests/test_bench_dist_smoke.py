@@ -27,6 +27,9 @@ def test_bench_dist_writes_section(tmp_path):
             "4",
             "--repeats",
             "1",
+            "--load-repeats",
+            "1",
+            "--no-profile",  # a smoke run: py-spy of a (noisy) miss is not what it checks
             "--out",
             str(out),
             "--workdir",
