@@ -328,3 +328,31 @@ def test_implicit_preparation_calls_no_state_dict_of_user_objects(tmp_path, allo
         _assert_off_thread(allocations, mgr, state)
         assert mgr.save(3, state).asynchronous  # the rest fit in the block's reserve
         assert state["counter"].calls == 1
+
+
+def test_a_fresh_adam_run_prepares_again_once_its_moments_exist(tmp_path):
+    """A fresh start's restore() sees AdamW without moments; the buffers prepared then are
+    too small. A later save that is not due prepares again, so the first due save is
+    still asynchronous."""
+    import time
+
+    from stepvault import CheckpointManager, Every
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optimizer": opt}
+    with CheckpointManager(tmp_path, "r", save=Every(steps=3), lineage=False) as mgr:
+        assert mgr.restore(state) is None  # fresh start: prepared without Adam's moments
+        handles = {}
+        for step in range(1, 4):
+            model(torch.randn(2, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 3:  # the preparation a non-due save started has finished
+                deadline = time.monotonic() + 30
+                while not mgr.stats()["staging_ready"] and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            handles[step] = mgr.save(step, state)
+        assert handles[1] is None and handles[2] is None
+        assert handles[3] is not None and handles[3].asynchronous
+        mgr.wait()

@@ -36,7 +36,7 @@ from ..store.lease import DEFAULT_STALE_AFTER
 from ..store.signing import Signer
 from .hooks import NotifyMover, Retention, tracked_best
 from .options import IfBusy, ManagerOptions
-from .preparing import readable_part
+from .preparing import readable_part, still_growing
 from .restoring import ManagerRestorer
 from .saving import AfterCommit, CollectiveWriter, LocalWriter, SavePipeline
 from .scope import choose_scope
@@ -183,6 +183,7 @@ class CheckpointManager:
         self._closed = False
         self._best = tracked_best(keep, best_metric, best_mode)
         self._staging = StagingPool(opts.staging_memory)  # type: ignore[arg-type]
+        self._prepared_final = False  # prepared from the state as it will be saved
         writer = (
             CollectiveWriter(s, async_save) if scope.collective else LocalWriter(s, self._staging)
         )
@@ -382,6 +383,9 @@ class CheckpointManager:
         from ..state.snapshot import take_snapshot
 
         reserve = 0
+        # Prepared from a state that will still grow (a fresh optimizer): prepare again at
+        # a later non-due save, or the first due save would find the buffers too small.
+        self._prepared_final = not still_growing(state)
         if implicit:  # only what a snapshot reads without effects (see .preparing)
             state, reserve = readable_part(state)
         # The snapshot (state_dict() calls) runs here, on the caller's thread, where the
@@ -393,7 +397,8 @@ class CheckpointManager:
     def _prepare_soon(self, state: Mapping[str, Any]) -> None:
         # Until buffers are ready (and not while a preparation runs): a non-due save()
         # or a restore() is the manager's first sight of the state.
-        if not self._staging.ready and not self._staging.preparing:
+        again = self._staging.ready and not self._prepared_final and not still_growing(state)
+        if (not self._staging.ready or again) and not self._staging.preparing:
             try:
                 self._prepare(state, implicit=True)
             except (TypeError, ValueError):

@@ -39,3 +39,21 @@ def readable_part(state: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
     part = {k: v for k, v in state.items() if _plain(v)}
     whole = len(part) == len(state)
     return part, 0 if whole else RESERVE
+
+
+def still_growing(state: Mapping[str, Any]) -> bool:
+    """Whether the state will grow before it is saved: an optimizer that has parameters
+    but no per-parameter state yet (Adam's moments appear at its first step), as on a
+    fresh start. Buffers prepared now would be too small for the first due save."""
+
+    def lazy(value: Any) -> bool:
+        if isinstance(value, torch.optim.Optimizer):
+            has_params = any(g["params"] for g in value.param_groups)
+            return has_params and not value.state
+        if isinstance(value, Mapping):
+            return any(lazy(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(lazy(v) for v in value)
+        return False
+
+    return lazy(state)
