@@ -5,6 +5,10 @@ distinct classes, and a Trainer only accepts callbacks and plugins built on its 
 behaviour lives here in two mixins that import no framework; :mod:`.lightning` and
 :mod:`.pytorch_lightning` combine them with each package's ``Checkpoint`` and
 ``CheckpointIO``.
+
+(Longer than most modules: one Lightning callback and the CheckpointIO it installs, which
+share their state; loader wrapping lives in _lightning_data.py, attachments in
+_attachments.py.)
 """
 
 from __future__ import annotations

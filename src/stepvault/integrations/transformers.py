@@ -29,6 +29,9 @@ resumes from. DeepSpeed and FSDP are refused.
 Hooks overridden (Transformers 5.x): ``_save_checkpoint``, ``_load_from_checkpoint``,
 ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``, and ``train`` (to
 pick the checkpoint).
+
+(Longer than most modules: the HF callback and the Trainer mixin are one integration and
+share their state; the shared pieces are in _common.py and _attachments.py.)
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ specifics (e.g. a Lightning module: weights + ``hparams.json``). Both add
 
 The folder is assembled in a temporary sibling directory and renamed into place, so a
 failed export never leaves a half-written model where a server would look for one.
+
+(Longer than most modules: one exporter — choosing the format, writing the folder, its
+model card and manifest, and verify-export reading that manifest back.)
 """
 
 from __future__ import annotations

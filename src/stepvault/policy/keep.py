@@ -13,6 +13,9 @@ damaged checkpoint is worth nothing to resume from or to deploy); only a pin
 (:class:`KeepPinned`, and the pin invariant of :func:`plan_retention`) keeps a damaged one,
 for forensics. Rules are pure functions of their configuration and inputs: no state, so
 the same records and ``now`` always give the same plan.
+
+(At ~400 lines: the keep rules and plan_retention, which applies them with the
+invariants, belong together.)
 """
 
 from __future__ import annotations

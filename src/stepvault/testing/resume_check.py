@@ -14,6 +14,9 @@ optimizer step. The check runs it three times:
 Then it compares, step by step, the batches each run trained on and every checkpoint both
 stores hold (weights, optimizer state, RNG, data position, everything stored), byte for
 byte, and reports equality or the first step and the first value that differs.
+
+(Longer than most modules: one tool — the straight, interrupted and fresh-process runs
+and the comparison that names the first difference.)
 """
 
 from __future__ import annotations

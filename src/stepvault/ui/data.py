@@ -7,6 +7,9 @@ Nothing is re-implemented: listings come from :class:`stepvault.catalog.vault.Va
 :func:`stepvault.ops.store_usage`, tiers from :mod:`stepvault.tiers.view`, the audit
 trail from :mod:`stepvault.catalog.events`, models from :class:`stepvault.registry.Registry`
 and the retention preview from :func:`stepvault.policy.plan_retention`.
+
+(Longer than most modules: the one read layer of the dashboard, a function per page,
+all over the same readers; the web app is in app.py.)
 """
 
 from __future__ import annotations
