@@ -31,6 +31,7 @@ from ..errors import StepvaultError
 from ..store.names import validate_run_name, validate_step
 from ..store.repository import Store
 from ..store.signing import Signer
+from .numbered import put_numbered
 
 _FILE = re.compile(r"^(0|[1-9][0-9]{0,17})\.([1-9][0-9]{0,8})\.json$")
 
@@ -89,15 +90,13 @@ def write_annotation(
     if signer is not None:
         record = signer.sign_record(record)
     data = json.dumps(record, sort_keys=True).encode()
-    for _ in range(100):  # create-exclusive: concurrent annotators take the next number
-        taken = [n for s, n in _listing(store, run) if s == step]
-        n = max(taken, default=0) + 1
-        try:
-            store.backend.put_atomic(f"{prefix}/{step}.{n}.json", [data], overwrite=False)
-            return record
-        except FileExistsError:
-            continue
-    raise StepvaultError(f"could not annotate {run}@{step}: too many concurrent annotations")
+
+    def next_number() -> int:
+        return max((n for s, n in _listing(store, run) if s == step), default=0) + 1
+
+    if put_numbered(store, prefix, step, data, next_number) is None:
+        raise StepvaultError(f"could not annotate {run}@{step}: too many concurrent annotations")
+    return record
 
 
 def _listing(store: Store, run: str) -> list[tuple[int, int]]:

@@ -43,6 +43,7 @@ from ..store import Store
 from ..store.names import validate_run_name, validate_step
 from ..store.signing import Signer
 from .annotations import _user, manifest_id
+from .numbered import put_numbered
 
 AttachmentSource = bytes | bytearray | memoryview | str | os.PathLike
 _RECORD = re.compile(r"^(0|[1-9][0-9]{0,17})\.([1-9][0-9]{0,8})\.json$")
@@ -209,18 +210,13 @@ def attach_after(
     if signer is not None:
         record = signer.sign_record(record)
     data = json.dumps(record, sort_keys=True).encode()
-    for _ in range(100):  # created exclusively: concurrent attachers take the next number
-        n = len(_record_keys(store, run, step)) + 1  # numbers are 1..n without gaps
-        key = f"runs/{run}/attachments/{step}.{n}.json"
-        try:
-            store.backend.put_atomic(key, [data], overwrite=False)
-        except FileExistsError:
-            continue
-        shown = {
-            k: {kk: vv for kk, vv in v.items() if kk != "data"} for k, v in record["files"].items()
-        }
-        return {**{k: v for k, v in record.items() if k != "files"}, "files": shown, "key": key}
-    raise AttachmentError(f"could not attach to {run}@{step}: too many concurrent attachments")
+    numbers = lambda: len(_record_keys(store, run, step)) + 1  # noqa: E731 (1..n, no gaps)
+    key = put_numbered(store, f"runs/{run}/attachments", step, data, numbers)
+    if key is None:
+        raise AttachmentError(f"could not attach to {run}@{step}: too many concurrent attachments")
+    files = record["files"].items()
+    shown = {k: {kk: vv for kk, vv in v.items() if kk != "data"} for k, v in files}
+    return {**{k: v for k, v in record.items() if k != "files"}, "files": shown, "key": key}
 
 
 def diff_attachments(
