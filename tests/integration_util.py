@@ -39,6 +39,16 @@ def damage_newest(root, run: str) -> int:
     return newest
 
 
+def first_saves_asynchronous(root, run: str) -> dict[int, bool]:
+    """``{step: whether its save only staged (asynchronous)}`` from the run's event log;
+    a save due before the staging buffers were ready is written synchronously."""
+    from stepvault.catalog.events import read_events
+    from stepvault.store import Store
+
+    events = read_events(Store.open(root), run)
+    return {e["step"]: e["asynchronous"] for e in events if e["event"] == "save"}
+
+
 def run_example(script: str, *args: str, timeout: float = 300) -> str:
     """Run ``examples/<script>`` to completion; its stdout (fails on a non-zero exit)."""
     out = subprocess.run(

@@ -16,6 +16,7 @@ from accelerate.utils import DataLoaderConfiguration  # noqa: E402
 from integration_util import (  # noqa: E402
     damage_newest,
     final_digest,
+    first_saves_asynchronous,
     kill_when_saved,
     run_example,
     run_example_here,
@@ -110,6 +111,10 @@ def test_checkpointer_stop_and_resume_is_bitwise_equal(tmp_path):
     assert progress["step"] == 20
     assert stepvault.open(tmp_path / "s").steps("r") == [16, 20]
     assert "loss" in stepvault.open(tmp_path / "s").checkpoints("r")[-1].metrics
+    # The staging was prepared at restore() and again after a fresh AdamW's first step:
+    # the first save of the fresh run (4) and of the resumed one (12) only copied.
+    saves = first_saves_asynchronous(tmp_path / "s", "r")
+    assert saves == {4: True, 8: True, 12: True, 16: True, 20: True}
 
 
 def test_save_state_load_state_round_trip_and_fallback(tmp_path):
@@ -183,3 +188,27 @@ def test_importing_stepvault_imports_no_trainer_framework():
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("restore_first", [True, False])
+def test_first_due_save_of_a_fresh_run_is_asynchronous(tmp_path, restore_first):
+    """AdamW's moments (2x the weights, more than the manager's reserve) appear at its
+    first step: the checkpointer prepares again at the next boundary that saves nothing,
+    so the first due save only copies into ready buffers (also without a restore())."""
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(512, 512)  # 1 MiB of weights, 2 MiB of AdamW moments
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    ckpt = AcceleratorCheckpointer(acc, tmp_path, run="r", save=Every(steps=3), lineage=False)
+    if restore_first:
+        assert ckpt.restore() is None  # a fresh start: prepared without the moments
+    handles = []
+    for step in range(1, 4):
+        acc.backward(model(torch.randn(2, 512)).square().mean())
+        opt.step()
+        opt.zero_grad()
+        handles.append(ckpt.save(step))
+    assert handles[:2] == [None, None] and handles[2].asynchronous
+    assert handles[2].result().step == 3
+    ckpt.close()
+    assert first_saves_asynchronous(tmp_path, "r") == {3: True}

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 from integration_util import (  # noqa: E402
     damage_newest,
     final_digest,
+    first_saves_asynchronous,
     kill_when_saved,
     run_example,
     run_example_here,
@@ -121,6 +122,9 @@ def test_stop_and_resume_mid_epoch_is_bitwise_equal(tmp_path):
     resumed, ckpt = _fit(tmp_path / "s", resume=True)
     assert ckpt.last_restore.step == 14 and not ckpt.last_restore.skipped
     assert _same(reference, resumed)
+    # The staging was prepared at train start (and again after a fresh Adam's first step):
+    # the first save of the fresh run (7) and of the resumed one (21) only copied.
+    assert first_saves_asynchronous(tmp_path / "s", "r") == {7: True, 14: True, 21: True}
     # KeepLast(2) ran after every save; the metrics Lightning logged are in the manifest.
     vault = stepvault.open(tmp_path / "s")
     assert vault.steps("r") == [14, 21]

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from integration_util import (  # noqa: E402
     damage_newest,
     final_digest,
+    first_saves_asynchronous,
     kill_when_saved,
     run_example,
     run_example_here,
@@ -118,6 +119,9 @@ def test_stop_and_resume_is_bitwise_equal(tmp_path):
     assert "loss" in ckpt12.metrics and "learning_rate" in ckpt12.metrics
     assert ckpt12.metadata["model_config"]["n_layer"] == 2
     assert not [d for d in os.listdir(tmp_path / "out") if d.startswith("checkpoint-")]
+    # The staging was prepared at train start (and again after a fresh Adam's first step):
+    # the first save of the fresh run (4) and of the resumed one (12) only copied.
+    assert first_saves_asynchronous(tmp_path / "s", "gpt") == {4: True, 8: True, 12: True}
 
 
 def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path):
@@ -135,6 +139,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path):
 def test_without_a_policy_the_save_strategy_decides(tmp_path):
     _train(tmp_path, tmp_path / "s", save=None, save_strategy="steps", save_steps=5)
     assert stepvault.open(tmp_path / "s").steps("gpt") == [10, 15]  # 5 was dropped by KeepLast
+    assert first_saves_asynchronous(tmp_path / "s", "gpt") == {5: True, 10: True, 15: True}
     assert not [d for d in os.listdir(tmp_path / "out") if d.startswith("checkpoint-")]
 
 

@@ -33,6 +33,7 @@ from ._common import (
     read_checkpoint,
     rng_state_of_this_rank,
 )
+from ._staging import StagingPreparer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -230,6 +231,7 @@ class CheckpointMixin:
         self._at_epoch_end = False
         self._deferred: BaseException | None = None
         self._signals = PolicySignals(self.save_policy)
+        self._prepare_staging = StagingPreparer()
 
     # ------------------------------------------------------------------ Lightning paths
     @property
@@ -289,6 +291,7 @@ class CheckpointMixin:
         # Lightning writes checkpoints on global rank 0 only (Strategy.save_checkpoint), so
         # only rank 0 has a manager; the other ranks take its decisions (on_train_batch_end).
         open_manager_on_rank0(self, options)
+        self._prepare_staging.reset()
         if self.manager is None:
             self._signals.install()  # the other ranks survive a preemption notice
 
@@ -314,6 +317,8 @@ class CheckpointMixin:
             total = trainer.estimated_stepping_batches  # lets LastStep() fire (epoch-based runs)
             if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
                 mgr.total_steps = int(total)
+        # After a resume has loaded the optimizers: the first due save only copies.
+        self._prepare_staging(mgr, _bulk(trainer, pl_module))
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning stores no RNG state; this callback adds Python/numpy/torch RNGs so
@@ -386,6 +391,8 @@ class CheckpointMixin:
         else:
             due = self.manager is not None and self.manager.should_save(step, epoch)
         if not due:
+            # A fresh Adam has its moments now (after its first step): prepare for them.
+            self._prepare_staging(self.manager, _bulk(trainer, pl_module))
             return
         self._due = (step, epoch, finite_metrics(trainer.callback_metrics))
         self._deferred = None
@@ -546,3 +553,11 @@ class CheckpointMixin:
         checkpoint = dict(holder[LIGHTNING_KEY])
         checkpoint["state_dict"] = holder[MODEL_KEY] or {}
         return checkpoint
+
+
+def _bulk(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """The module and optimizers: the bytes of Lightning's checkpoint dict, to prepare."""
+    bulk: dict[str, Any] = {"model": pl_module}
+    for i, opt in enumerate(trainer.optimizers):
+        bulk[f"optimizer_{i}"] = opt
+    return bulk

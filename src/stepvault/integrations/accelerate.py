@@ -44,6 +44,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
 from ._common import missing_framework
+from ._staging import StagingPreparer
 
 try:
     import accelerate
@@ -189,6 +190,11 @@ def load_state(
     return info
 
 
+def _bulk(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The models and optimizers of an accelerator state: its bytes, to prepare."""
+    return {k: v for k, v in state.items() if k.startswith(("model", "optimizer"))}
+
+
 class AcceleratorCheckpointer:
     """A :class:`~stepvault.CheckpointManager` for an ``Accelerator``: save/keep policies,
     asynchronous saves, retention, resume from the newest checkpoint that verifies.
@@ -215,6 +221,7 @@ class AcceleratorCheckpointer:
         self.manager = CheckpointManager(
             root, run, save=save, keep=keep, async_save=async_save, **manager_options
         )
+        self._prepare_staging = StagingPreparer()
 
     def restore(
         self, step: int | Literal["latest", "best"] = "latest", *, strict: bool = True
@@ -225,6 +232,8 @@ class AcceleratorCheckpointer:
         info = self.manager.restore(state, step, strict=strict)
         if info is not None:
             _apply_values(self.accelerator, state, self.extra)
+        # The optimizers as they will be saved (loaded): the first due save only copies.
+        self._prepare_staging(self.manager, _bulk(state))
         return info
 
     def should_save(self, step: int, epoch: int | None = None) -> bool:
@@ -248,6 +257,9 @@ class AcceleratorCheckpointer:
             return self.manager.save(
                 step, state, epoch=epoch, metrics=metrics, metadata=_metadata(), force=force
             )
+        # Not due: a fresh Adam has its moments now (after its first step), or restore()
+        # was never called; prepare for the state as it will be saved.
+        self._prepare_staging(self.manager, _bulk(accelerator_state(self.accelerator)))
         return None
 
     def wait(self) -> Any:

@@ -74,6 +74,7 @@ from ..manager import CheckpointManager
 from ..policy import KeepPolicy, SavePolicy
 from ..state import RNGState
 from ._attachments import transformers_files
+from ._staging import StagingPreparer
 
 __all__ = ["StepvaultCallback", "StepvaultTrainer", "StepvaultTrainerMixin"]
 
@@ -120,6 +121,7 @@ class StepvaultCallback(TrainerCallback):
         self.last_restore: RestoreInfo | None = None
         self._opened = False
         self._signals = PolicySignals(save) if save is not None else None
+        self._prepare_staging = StagingPreparer()
 
     @property
     def has_checkpoint(self) -> bool:
@@ -140,6 +142,7 @@ class StepvaultCallback(TrainerCallback):
                 options.setdefault("total_steps", total_steps)
             open_manager_on_rank0(self, options)
             self._opened = True
+            self._prepare_staging.reset()
             if self.manager is None and self._signals is not None:
                 self._signals.install()  # the other ranks survive a preemption notice
         return self.manager
@@ -163,6 +166,8 @@ class StepvaultCallback(TrainerCallback):
         mgr = self.open(state.max_steps or None)
         if mgr is not None and mgr.total_steps is None and state.max_steps:
             mgr.total_steps = state.max_steps  # opened by a resume, before max_steps was known
+        # The optimizer exists (and a resume has loaded it): the first due save only copies.
+        self._prepare_staging(mgr, _bulk(kwargs))
 
     def _decide(self, state, control) -> None:
         if self.save_policy is None:
@@ -179,6 +184,9 @@ class StepvaultCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._decide(state, control)
+        if not control.should_save:
+            # A fresh Adam has its moments now (after its first step): prepare for them.
+            self._prepare_staging(self.manager, _bulk(kwargs))
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self._decide(state, control)
@@ -186,6 +194,11 @@ class StepvaultCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.manager is not None:
             self.manager.wait()  # the last save is committed when train() returns
+
+
+def _bulk(event: dict[str, Any]) -> dict[str, Any]:
+    """The model and optimizer of a callback event: the bytes a save writes, to prepare."""
+    return {k: event[k] for k in ("model", "optimizer") if event.get(k) is not None}
 
 
 def _step_metrics(log_history: list[dict[str, Any]], step: int) -> dict[str, float]:

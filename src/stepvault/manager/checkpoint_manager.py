@@ -36,7 +36,7 @@ from ..store.lease import DEFAULT_STALE_AFTER
 from ..store.signing import Signer
 from .hooks import NotifyMover, Retention, tracked_best
 from .options import IfBusy, ManagerOptions
-from .preparing import readable_part, still_growing
+from .preparing import RESERVE, readable_part, still_growing
 from .restoring import ManagerRestorer
 from .saving import AfterCommit, CollectiveWriter, LocalWriter, SavePipeline
 from .scope import choose_scope
@@ -363,7 +363,9 @@ class CheckpointManager:
             raise SystemExit(decision.exit_code)
         return handle
 
-    def prepare(self, state: Mapping[str, Any], *, wait: bool = False) -> None:
+    def prepare(
+        self, state: Mapping[str, Any], *, wait: bool = False, partial: bool = False
+    ) -> None:
         """Get the staging buffers for ``state`` ready before the first due save.
 
         Allocating host buffers and faulting in their pages costs more than a synchronous
@@ -373,16 +375,27 @@ class CheckpointManager:
         prepare by themselves, reading only modules, optimizers and tensors (a user
         object's ``state_dict()`` may have effects; 1 MiB is left for the rest). Without
         ``async_save``, or for a multi-rank (DCP) manager, it does nothing.
-        """
-        self._prepare(state, implicit=False, wait=wait)
 
-    def _prepare(self, state: Mapping[str, Any], *, implicit: bool, wait: bool = False) -> None:
+        ``partial=True``: ``state`` is only the bulk of what the saves will hold (a
+        framework integration passes the modules and optimizers); 1 MiB is left for the
+        rest, as for an implicit preparation.
+        """
+        self._prepare(state, implicit=False, wait=wait, partial=partial)
+
+    def _prepare(
+        self,
+        state: Mapping[str, Any],
+        *,
+        implicit: bool,
+        wait: bool = False,
+        partial: bool = False,
+    ) -> None:
         self._check()
         if self._pipeline.bg is None or not isinstance(self._pipeline.writer, LocalWriter):
             return
         from ..state.snapshot import take_snapshot
 
-        reserve = 0
+        reserve = RESERVE if partial else 0
         # Prepared from a state that will still grow (a fresh optimizer): prepare again at
         # a later non-due save, or the first due save would find the buffers too small.
         self._prepared_final = not still_growing(state)
