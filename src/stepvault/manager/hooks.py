@@ -70,7 +70,7 @@ class Retention:
             grace_seconds=s.options.gc_grace_seconds,
             log=s.event,
         )
-        for step in result.deleted:
+        for step in result.deleted + result.thinned:  # a thinned manifest is a new record
             s.forget(step)
         with s.stats.lock:
             s.stats.deleted += len(result.deleted)
