@@ -173,13 +173,13 @@ def acquire_hold(
     return hold
 
 
-def _runs(store: Store) -> list[str]:
+def held_runs(store: Store) -> list[str]:
     return [n for n in store.backend.list(PREFIX) if not n.startswith(".")]
 
 
 def iter_holds(store: Store, run: str | None = None) -> Iterator[tuple[str, HoldRecord | None]]:
     """``(key, record)`` of every hold file (of ``run``, or of every run); None: damaged."""
-    for name in [run] if run is not None else _runs(store):
+    for name in [run] if run is not None else held_runs(store):
         folder = f"{PREFIX}/{validate_run_name(name)}"
         for file in store.backend.list(folder):
             if not _FILE.match(file):
