@@ -65,9 +65,7 @@ def test_a_reader_process_holds_a_checkpoint_against_the_trainers_keep_policy(tm
         mgr.save(2, {"model": m}, force=True)
         mgr.wait()
         assert [c.step for c in mgr.checkpoints()] == [1, 2]  # 1 survives: held
-        store = Store.open(tmp_path)
-        records = checkpoint_records(store, "r")
-        plan = apply_retention(store, "r", KeepLast(1), records, dry_run=True).plan
+        plan = mgr.retention_plan()
         (entry,) = [e for e in plan.entries if e.step == 1]
         assert entry.keep and entry.reasons[0].startswith("held by reader eval (pid ")
         reader.stdin.write("done\n")
