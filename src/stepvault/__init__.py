@@ -47,6 +47,8 @@ _LAZY: dict[str, str] = {
     "KeepPeriodic": ".policy",
     "KeepPinned": ".policy",
     "KeepWithin": ".policy",
+    "ThinAfter": ".policy",
+    "hold": ".catalog.reader_holds",
     "LastStep": ".policy",
     "OnSignal": ".policy",
     "YoungDaly": ".policy",
@@ -93,6 +95,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         save,
     )
     from .catalog.lineage import Lineage, fingerprint_files
+    from .catalog.reader_holds import hold
     from .catalog.vault import Checkpoint, CheckpointSummary, Vault, parse_ref
     from .format.encoding import register_type, unregister_type
     from .manager import CheckpointManager, SaveHandle
@@ -110,6 +113,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         KeepWithin,
         LastStep,
         OnSignal,
+        ThinAfter,
         YoungDaly,
     )
     from .registry import ModelVersion, Registry, RegistryError
@@ -138,6 +142,7 @@ __all__ = [
     "Verifier",
     "OnSignal",
     "SaveHandle",
+    "ThinAfter",
     "YoungDaly",
     "Checkpoint",
     "CheckpointSummary",
@@ -149,6 +154,7 @@ __all__ = [
     "__version__",
     "annotate",
     "fingerprint_files",
+    "hold",
     "open",
     "ops",
     "parse_ref",

@@ -13,7 +13,10 @@ from ..engine.gc import DEFAULT_GRACE_SECONDS, SweepReport, sweep
 from ..format.record import CheckpointRecord
 from ..policy import KeepPolicy, RetentionPlan, plan_retention
 from ..store import Store
+from ..store.reader_holds import live_holds
 from .events import log_event
+from .reader_holds import keep_held
+from .thinning import apply_thinning, plan_thinning
 
 #: ``hold(steps) -> steps that must not be deleted yet`` (the tier mover: still owed to a
 #: cold tier)
@@ -28,6 +31,10 @@ class RetentionResult:
     deleted: list[int] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
     sweep: SweepReport | None = None
+    #: kept (only) because a reader holds them (``stepvault.hold``)
+    reader_held: list[int] = field(default_factory=list)
+    #: thinned to weights-only by a ``ThinAfter`` rule
+    thinned: list[int] = field(default_factory=list)
 
 
 def apply_retention(
@@ -57,10 +64,12 @@ def apply_retention(
     ``before_delete``, which runs once before the first deletion (``stepvault gc``).
     """
     log = log or (lambda event, **fields: log_event(store, run, event, **fields))
-    plan = plan_retention(
-        records, keep, now=time.time() if now is None else now, best_metrics=best_metrics
-    )
-    result = RetentionResult(plan)
+    now = time.time() if now is None else now
+    plan = plan_retention(records, keep, now=now, best_metrics=best_metrics)
+    # Holds expire by the wall clock, whatever ``now`` a caller plans for.
+    holds = live_holds(store, run, clean=not dry_run)
+    result = RetentionResult(plan, reader_held=keep_held(plan, holds))
+    thin = plan_thinning(store, run, records, keep, plan, now=now, holds=holds)
     delete = plan.delete
     if hold is not None and delete and not dry_run:
         owed = hold(delete)
@@ -69,13 +78,16 @@ def apply_retention(
     if not dry_run:
         reasons = {e.step: e.reasons for e in plan.entries}
         extra = {"by": by} if by else {}
-        if delete and before_delete is not None:
+        if (delete or thin) and before_delete is not None:
             before_delete()
         for step in delete:
+            if step in live_holds(store, run, clean=False):
+                continue  # a reader took a hold since the plan was made
             store.delete_manifest(run, step)  # the checkpoint vanishes atomically
             result.deleted.append(step)
             log("delete", step=step, reasons=reasons.get(step, []), **extra)
-    if sweep_objects or (sweep_objects is None and plan.delete):
+        result.thinned = apply_thinning(store, run, thin, now=now, log=log, extra=extra)
+    if sweep_objects or (sweep_objects is None and (plan.delete or thin)):
         result.sweep = report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run)
         if not dry_run:
             log(

@@ -10,6 +10,7 @@ from ..errors import CheckpointNotFoundError, InvalidNameError
 from ..format import Manifest, decode_value, parse_manifest
 from ..format.record import CheckpointRecord
 from ..store import Store, validate_run_name
+from .reader_holds import holding
 from .records import checkpoint_records
 
 _REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?")
@@ -84,10 +85,13 @@ class Checkpoint:
         Tensors larger than one chunk, objects of another codec (zstd, float) and stores
         that cannot be mapped (fsspec) decode into fresh memory.
         """
-        if self.manifest.sharded:
-            return self._load_sharded()
-        arrays = self._reader.read_all(private=not mmap)
-        return decode_value(self.manifest.state, lambda kind, name: arrays[name])
+        # Held while it reads: no keep policy, thinning or GC of another process takes
+        # the checkpoint away mid-read (stepvault.hold).
+        with holding(self.store, self.run, self.step, owner="Checkpoint.load"):
+            if self.manifest.sharded:
+                return self._load_sharded()
+            arrays = self._reader.read_all(private=not mmap)
+            return decode_value(self.manifest.state, lambda kind, name: arrays[name])
 
     def _load_sharded(self) -> dict[str, Any]:
         sharded = self.manifest.sharded

@@ -406,6 +406,12 @@ def gc_cmd(
     mode: Annotated[str, typer.Option(help="min or max, for --keep-best.")] = "min",
     keep_every: Annotated[int | None, typer.Option(help="Keep steps divisible by N.")] = None,
     keep_within: Annotated[str | None, typer.Option(help="Keep all newer than e.g. 7d.")] = None,
+    thin_after: Annotated[
+        str | None, typer.Option(help="Thin kept ones older than e.g. 7d to their weights.")
+    ] = None,
+    thin_after_steps: Annotated[
+        int | None, typer.Option(help="Thin kept ones N steps behind the newest to weights.")
+    ] = None,
     grace: Annotated[
         str, typer.Option(help="Never sweep objects younger than this (in-flight saves).")
     ] = "15m",
@@ -427,6 +433,13 @@ def gc_cmd(
         rules.append(KeepEvery(steps=keep_every))
     if keep_within is not None:
         rules.append(KeepWithin(seconds=_parse_duration(keep_within)))
+    if thin_after is not None or thin_after_steps is not None:
+        from ..policy import ThinAfter
+
+        if thin_after is not None:
+            rules.append(ThinAfter(days=_parse_duration(thin_after) / 86400))
+        if thin_after_steps is not None:
+            rules.append(ThinAfter(steps=thin_after_steps))
     keep: KeepPolicy | None = None
     for rule in rules:
         keep = rule if keep is None else keep | rule
@@ -541,6 +554,7 @@ def events_cmd(
 # those modules import heavy optional dependencies inside their commands, not at import).
 # -- command groups: begin
 from . import attachments as _attachments  # noqa: E402,F401  (attach, diff, verify-export)
+from . import holds as _holds  # noqa: E402,F401  (hold, holds, release)
 from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
 from . import plan as _plan  # noqa: E402,F401  (stepvault plan)
 from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)

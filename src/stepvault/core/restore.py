@@ -21,6 +21,7 @@ import torch
 
 from .._progress import ProgressFn, terminal_bar
 from ..catalog.records import choose_candidates, listed_records
+from ..catalog.thinning import explain_weights_only
 from ..engine import PendingArray
 from ..errors import (
     CheckpointNotFoundError,
@@ -113,7 +114,9 @@ class RestorePlanner:
                     state, opened.meta_tree, opened.manifest.state_kinds, strict=strict
                 )
                 if problems:
-                    raise StateMismatchError(problems)
+                    raise StateMismatchError(
+                        explain_weights_only(opened.manifest, list(state), problems)
+                    )
                 opened.verify_all(self.progress)
             except (IntegrityError, StoreVersionError) as exc:
                 reason = str(exc)

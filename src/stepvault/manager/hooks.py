@@ -51,10 +51,20 @@ class Retention:
         self.mover = mover
 
     def plan(self) -> RetentionPlan:
-        """What the keep policy would delete now, and which rule keeps each survivor."""
-        return plan_retention(
-            self.session.records(), self.keep, now=time.time(), best_metrics=self.best
-        )
+        """What the keep policy would delete now, and which rule (or reader hold) keeps
+        each survivor; with a ``ThinAfter`` rule, what it would thin."""
+        s = self.session
+        if self.keep is None:
+            return plan_retention(s.records(), None, now=time.time(), best_metrics=self.best)
+        return apply_retention(
+            s.store,
+            s.run,
+            self.keep,
+            s.records(),
+            best_metrics=self.best,
+            dry_run=True,
+            sweep_objects=False,
+        ).plan
 
     def apply(self) -> None:
         s = self.session
@@ -70,7 +80,7 @@ class Retention:
             grace_seconds=s.options.gc_grace_seconds,
             log=s.event,
         )
-        for step in result.deleted:
+        for step in result.deleted + result.thinned:  # a thinned manifest is a new record
             s.forget(step)
         with s.stats.lock:
             s.stats.deleted += len(result.deleted)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..catalog.events import log_event
+from ..catalog.reader_holds import holding
 from ..catalog.vault import Vault
 from ..errors import StepvaultError
 from ..format.encoding import torch_dtype
@@ -185,19 +186,21 @@ def export_weights(
     error is in ``report.quantization`` and the file metadata says ``lossy: true``.
     ``progress(done, None)`` gets the bytes of the weights read so far.
     """
-    report = _export(
-        store,
-        ref_run,
-        step,
-        out,
-        module=module,
-        dtype=dtype,
-        include=include,
-        strip_prefix=strip_prefix,
-        max_shard_size=max_shard_size,
-        quantize=quantize,
-        progress=progress,
-    )
+    chosen = Vault(store).checkpoint(ref_run, step).manifest  # "latest" -> a step
+    with holding(store, chosen.run, chosen.step, owner="export"):  # no GC takes it mid-way
+        report = _export(
+            store,
+            ref_run,
+            chosen.step,
+            out,
+            module=module,
+            dtype=dtype,
+            include=include,
+            strip_prefix=strip_prefix,
+            max_shard_size=max_shard_size,
+            quantize=quantize,
+            progress=progress,
+        )
     q = report.quantization or {}
     log_event(
         store,

@@ -35,6 +35,7 @@ from ..catalog.annotations import manifest_id, merged_metrics, read_annotations
 from ..catalog.attachments import Attachment, checkpoint_attachments
 from ..catalog.events import log_event
 from ..catalog.lineage import read_lineage
+from ..catalog.reader_holds import holding
 from ..catalog.vault import Vault
 from ..errors import StepvaultError
 from ..store import Store
@@ -279,20 +280,21 @@ def export_folder(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.stepvault-", dir=parent)
     try:
-        weights = _export(
-            store,
-            run,
-            step,
-            tmp,
-            module=module,
-            dtype=dtype,
-            include=include,
-            strip_prefix=strip_prefix,
-            max_shard_size=max_shard_size,
-            quantize=quantize,
-            exclude=frozenset(tied),
-            progress=progress,
-        )
+        with holding(store, run, step, owner="export"):  # no GC takes it mid-export
+            weights = _export(
+                store,
+                run,
+                step,
+                tmp,
+                module=module,
+                dtype=dtype,
+                include=include,
+                strip_prefix=strip_prefix,
+                max_shard_size=max_shard_size,
+                quantize=quantize,
+                exclude=frozenset(tied),
+                progress=progress,
+            )
         report = FolderExport(
             out=out,
             format="hf" if hf else "folder",

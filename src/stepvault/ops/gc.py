@@ -25,6 +25,7 @@ class GCResult:
             "dry_run": self.sweep.dry_run,
             "plan": self.plan.to_json() if self.plan else None,
             "deleted_checkpoints": self.plan.delete if self.plan else [],
+            "thin": [t.to_json() for t in self.plan.thin] if self.plan else [],
             "deleted_objects": len(self.sweep.deleted),
             "freed_bytes": self.sweep.freed_bytes,
             "kept_in_grace": self.sweep.kept_in_grace,

@@ -19,6 +19,7 @@ from .base import (
     SaveContext,
     SaveDecision,
     SavePolicy,
+    ThinEntry,
 )
 from .keep import (
     KeepAny,
@@ -41,6 +42,7 @@ from .save import (
     YoungDaly,
     merge_decisions,
 )
+from .thin import ThinAfter
 from .tier import (
     ArchiveProtected,
     CopyEvery,
@@ -77,6 +79,8 @@ __all__ = [
     "SaveContext",
     "SaveDecision",
     "SavePolicy",
+    "ThinAfter",
+    "ThinEntry",
     "TierAny",
     "TierPlan",
     "TierPolicy",

@@ -181,10 +181,41 @@ class RetentionEntry:
 
 
 @dataclass
+class ThinEntry:
+    """A kept checkpoint a thinning rule (``ThinAfter``) is due for: thinned to its
+    weights (``thin``), or left whole with the reason why (``thin=False``)."""
+
+    step: int
+    thin: bool
+    reason: str
+    dropped: list[str] = field(default_factory=list)  # top-level state keys it drops
+    dropped_bytes: int = 0  # stored bytes no longer named by its manifest
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "thin": self.thin,
+            "reason": self.reason,
+            "dropped": list(self.dropped),
+            "dropped_bytes": self.dropped_bytes,
+        }
+
+    def __str__(self) -> str:
+        if not self.thin:
+            return f"keep whole @{self.step}: {self.reason}"
+        return (
+            f"thin @{self.step}: drop {', '.join(self.dropped)} "
+            f"({self.dropped_bytes / 1e6:.3g} MB; {self.reason})"
+        )
+
+
+@dataclass
 class RetentionPlan:
-    """Which checkpoints survive and which rule keeps each survivor."""
+    """Which checkpoints survive and which rule keeps each survivor (and, with a
+    ``ThinAfter`` rule, which survivors lose their training-only state)."""
 
     entries: list[RetentionEntry]
+    thin: list[ThinEntry] = field(default_factory=list)
 
     @property
     def delete(self) -> list[int]:
@@ -202,6 +233,7 @@ class RetentionPlan:
         for e in self.entries:
             verdict = "keep  " if e.keep else "delete"
             lines.append(f"{verdict} {e.step:>10}  {'; '.join(e.reasons)}")
+        lines.extend(str(t) for t in self.thin)
         return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from ..engine.gc import DEFAULT_GRACE_SECONDS, sweep
 from ..errors import StepvaultError
 from ..policy import CheckpointRecord, TierPlan, TierPolicy, plan_tiers
 from ..store import Store
+from ..store.reader_holds import live_holds
 from .config import HOT, Tiers
 from .copy import DEFAULT_COPY_WORKERS, CopyStats, copy_checkpoint, copy_pin
 
@@ -155,8 +156,8 @@ def apply_tier_policy(
             safe = all(step in holdings[t] and tiers[t].backend.exists(key) for t in needed)
         except (StepvaultError, OSError):
             safe = False
-        if not safe:
-            continue
+        if not safe or step in live_holds(hot, run, clean=False):
+            continue  # not yet in every tier it needs, or a reader holds it: a later pass
         hot.delete_manifest(run, step)
         if records is not None:
             records.pop(step, None)
