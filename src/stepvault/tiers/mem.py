@@ -117,6 +117,7 @@ class MemTier:
             "host": socket.gethostname(),
             "hot": self.hot.backend.url,
             "run": self.run,
+            "budget": self.budget,
             "claimed": time.time(),
         }
         data = (json.dumps(record, sort_keys=True) + "\n").encode()
@@ -216,6 +217,7 @@ class MemTierInfo:
     steps: list[int] = field(default_factory=list)
     stale: bool = False
     reason: str = ""
+    budget: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -228,6 +230,7 @@ class MemTierInfo:
             "steps": self.steps,
             "stale": self.stale,
             "reason": self.reason,
+            "budget": self.budget,
         }
 
 
@@ -302,6 +305,7 @@ def list_mem_tiers(root: str | None = None) -> list[MemTierInfo]:
                 steps,
                 stale,
                 reason,
+                owner.get("budget"),
             )
         )
     return out
