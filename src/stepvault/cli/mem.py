@@ -47,12 +47,17 @@ def mem_usage(hot: Any, mem_root: str | None) -> list[dict[str, Any]]:
 def print_mem_usage(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
-    table = Table("run", "path", "bytes", "checkpoints", "budget", "owner", title="mem tier")
+    table = Table("run", "directory", "bytes", "checkpoints", "budget", "owner", title="mem tier")
     for r in rows:
         budget = human_bytes(r["budget"]) if r["budget"] is not None else "-"
         owner = "gone (stale)" if r["stale"] else "live or needed"
         table.add_row(
-            str(r["run"]), r["path"], human_bytes(r["bytes"]), str(r["checkpoints"]), budget, owner
+            str(r["run"]),
+            r["path"].rsplit("/", 1)[-1],  # the full path is in --json
+            human_bytes(r["bytes"]),
+            str(r["checkpoints"]),
+            budget,
+            owner,
         )
     console.print(table)
 

@@ -176,6 +176,7 @@ class TieredView(Store):
 
     def quarantine_object(self, digest: str) -> str:
         """Quarantine a damaged object in the tier it was read from (the hottest holder)."""
+        self.served = {}  # the attempt failed: the retry's bytes say where it came from
         try:
             return self._first(digest).quarantine_object(digest)
         except FileNotFoundError:
