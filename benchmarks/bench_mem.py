@@ -58,6 +58,15 @@ def drop_page_cache(root: Path) -> None:
                 os.close(fd)
 
 
+def crash(mgr: CheckpointManager) -> None:
+    """Leave the manager as a crashed process would (its mem tier kept), but hand the lease
+    back so that the next process (the restart) may write the run at once."""
+    mgr._stop.set()  # the heartbeat thread must not renew the lease after this
+    mgr._heartbeat.join()
+    mgr._lease.release()  # type: ignore[union-attr]
+    mgr._closed = True
+
+
 def child(args: argparse.Namespace) -> None:
     """One restore in this fresh process; prints ``{"seconds": ..., "tier": ...}``."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -76,8 +85,7 @@ def child(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - t0
         assert info is not None
         tier = str(info.tier)
-        mgr._lease.release()  # type: ignore[union-attr]  # leave the mem tier as a crash would
-        mgr._closed = True
+        crash(mgr)
     print(json.dumps({"seconds": seconds, "tier": tier}), flush=True)
 
 
@@ -123,8 +131,7 @@ def main() -> None:
             mgr.save(1, {"model": model}, force=True)
             mgr.wait()
             mem_path = mgr.mem_tier.path  # type: ignore[union-attr]
-            mgr._lease.release()  # type: ignore[union-attr]  # keep the mem tier (a crash)
-            mgr._closed = True
+            crash(mgr)
             del model
             s3_url = endpoint = None
             if s3 is not None:

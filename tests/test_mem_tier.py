@@ -308,7 +308,9 @@ def test_stale_mem_tier_of_a_dead_job_is_reclaimed(tmp_path):
     assert reclaim_stale(str(mem)) == [] and b_dir.exists()
     # The restart resumes and ends normally, keeping the mem tier: its newest checkpoint is
     # flushed to disk and the lease released, so the tier is stale once the process is gone.
-    b._lease.release()  # B "died": stands for the lease of a dead pid being taken over
+    b._stop.set()  # B "died": no more heartbeats; its lease handed over (a dead pid's
+    b._heartbeat.join()  # lease is taken over at once, as test_crash_resume shows)
+    b._lease.release()
     b._closed = True
     b2 = CheckpointManager(tmp_path / "b", "r", tiers={"mem": str(mem)}, mem_cleanup=False)
     assert b2.restore({"model": _model(16, seed=3)}).tier == "mem"

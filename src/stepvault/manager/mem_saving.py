@@ -118,9 +118,19 @@ class MemSaver:
                 )
                 return None, {"tier": "hot", "mem": "over budget"}
             m = copy.deepcopy(manifest)
-            self._copy_attachments(m)
             t0 = time.perf_counter()
-            info = write_manifest(mem.store, m, host, codec="raw", overwrite=True)
+            try:
+                self._copy_attachments(m)
+                info = write_manifest(mem.store, m, host, codec="raw", overwrite=True)
+            except (StepvaultError, OSError) as exc:
+                # A full or failing tmpfs must not cost the save: it still goes to disk.
+                s.event(
+                    "mem_save_failed",
+                    step=manifest.step,
+                    error=f"{type(exc).__name__}: {exc}",
+                    result="saved to disk only",
+                )
+                return None, {"tier": "hot", "mem": "failed"}
             seconds = time.perf_counter() - t0
             self._keep_last(on_disk)
         commit = MemCommit(
