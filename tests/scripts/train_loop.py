@@ -28,11 +28,14 @@ def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
-def _tier_options(cold: str | None) -> dict:
+def _tier_options(cold: str | None, mem: str | None = None, disk_every: int = 0) -> dict:
+    from stepvault.tiers import CopyEvery, HotLast, MemLast
+
+    if mem:  # the mem tier (issue 16): node memory first, disk every n-th step
+        policy = MemLast(2) | CopyEvery("hot", steps=disk_every) if disk_every else MemLast(2)
+        return {"tiers": {"mem": mem}, "tier_policy": policy}
     if not cold:
         return {}
-    from stepvault.tiers import CopyEvery, HotLast
-
     return {
         "tiers": {"archive": cold},
         "tier_policy": HotLast(2) | CopyEvery("archive", steps=6),
@@ -50,6 +53,8 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--sync", action="store_true")
     p.add_argument("--cold", help="a directory as cold tier: every 6th step copied, hot keeps 2")
+    p.add_argument("--mem", help="a mem tier root (MemLast(2))")
+    p.add_argument("--disk-every", type=int, default=0, help="with --mem: disk every n-th step")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -80,10 +85,12 @@ def main() -> int:
         async_save=not args.sync,
         gc_grace_seconds=0.0,
         total_steps=args.steps,
-        **_tier_options(args.cold),
+        **_tier_options(args.cold, args.mem, args.disk_every),
     )
     info = mgr.restore(state)
     print(f"RESUMED {info.step}" if info else "FRESH", flush=True)
+    if info is not None:
+        print(f"FROM {info.tier} {info.seconds:.6f}", flush=True)
     start = state["step"]
     for step in range(start + 1, args.steps + 1):
         x = torch.randn(16, 32)

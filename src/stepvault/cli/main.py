@@ -555,6 +555,7 @@ def events_cmd(
 # -- command groups: begin
 from . import attachments as _attachments  # noqa: E402,F401  (attach, diff, verify-export)
 from . import holds as _holds  # noqa: E402,F401  (hold, holds, release)
+from . import mem as _mem  # noqa: E402,F401  (tiers mem-gc; issue 16)
 from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
 from . import plan as _plan  # noqa: E402,F401  (stepvault plan)
 from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)

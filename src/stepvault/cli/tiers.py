@@ -153,25 +153,33 @@ def tiers_ls(
     run: Annotated[str | None, typer.Argument(help="Only this run.")] = None,
     root: RootOpt = None,
     as_json: JsonOpt = False,
+    mem_root: Annotated[
+        str | None, typer.Option("--mem-root", help="The mem tier's tmpfs root.")
+    ] = None,
 ) -> None:
-    """What lives where: each checkpoint with the tiers holding it (hot first)."""
+    """What lives where: each checkpoint with the tiers holding it (hot first), and what
+    node memory the mem tier holds."""
     from ..store import Store
     from ..tiers.config import Tiers
     from ..tiers.view import catalog
+    from .mem import mem_usage, print_mem_usage
 
     try:
         tiers = Tiers.of(Store.open(_root(root)))
         entries = catalog(tiers, run)
     except StepvaultError as exc:
         return _fail(exc)
+    mem = [m for m in mem_usage(tiers.hot, mem_root) if run is None or m["run"] == run]
     if as_json:
         return _emit_json(
             {
                 "tiers": [{"name": "hot", "url": tiers.hot.backend.url}]
                 + [{"name": s.name, "url": s.url, "codec": s.codec} for s in tiers.specs.values()],
                 "checkpoints": [e.to_json() for e in entries],
+                "mem": mem,
             }
         )
+    print_mem_usage(mem)
     info = Table("tier", "location", "codec", title="tiers")
     info.add_row("hot", tiers.hot.backend.url, str(tiers.hot.settings.get("codec", "raw")))
     for s in tiers.specs.values():

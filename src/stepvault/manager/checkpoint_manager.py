@@ -139,6 +139,8 @@ class CheckpointManager:
         tier_policy: Any = None,
         collective: bool | None = None,
         staging_memory: int | str | None = None,
+        mem_budget: int | str | None = None,
+        mem_cleanup: bool = True,
     ) -> None:
         # Every option is checked here, before the store is touched.
         self.options = opts = ManagerOptions(
@@ -154,6 +156,8 @@ class CheckpointManager:
             on_save_error=on_save_error,
             collective=collective,
             staging_memory=staging_memory,
+            mem_budget=mem_budget,
+            mem_cleanup=mem_cleanup,
         )
         self.run = validate_run_name(run)
         self.save_policy: SavePolicy = save if save is not None else _SaveAlways()
@@ -164,7 +168,15 @@ class CheckpointManager:
         # Cold tiers (recorded in the store) and, with a tier policy, the background mover
         # (the coordinator only); restores read through the view: any tier, hot first.
         from ..tiers.hook import setup_tiers
+        from .mem_saving import open_for_manager, split_mem
 
+        tiers, mem_target = split_mem(tiers)
+        #: the mem tier (node shared memory, read first; see .mem_saving), or None
+        self.mem_tier = (
+            open_for_manager(self.store, self.run, mem_target, opts.mem_budget)  # type: ignore[arg-type]
+            if mem_target is not None
+            else None
+        )
         view, self.tier_mover = setup_tiers(
             self.store,
             self.run,
@@ -172,6 +184,7 @@ class CheckpointManager:
             tier_policy,
             coordinator=scope.coordinator,
             grace_seconds=gc_grace_seconds,
+            mem=self.mem_tier.store if self.mem_tier is not None else None,
         )
         # Lineage (config, git commit, data, environment, parent) is captured once per
         # session and linked from every manifest it commits; lineage=False records none.
@@ -187,6 +200,14 @@ class CheckpointManager:
         writer = (
             CollectiveWriter(s, async_save) if scope.collective else LocalWriter(s, self._staging)
         )
+        self._mem_saver = None
+        if self.mem_tier is not None:
+            from .mem_saving import MemSaver, start_mem_tier
+
+            self._mem_saver = MemSaver(s, self.mem_tier, tier_policy, cleanup=mem_cleanup)
+            start_mem_tier(s, self.mem_tier, writer, self._lease is not None)
+            if isinstance(writer, LocalWriter):
+                writer.mem = self._mem_saver
         self._retention = Retention(s, keep, self._best, self.tier_mover)
         hooks: list[AfterCommit] = [self._retention]
         if self.tier_mover is not None:
@@ -464,6 +485,26 @@ class CheckpointManager:
         self._prepare_soon(state)  # the state as training will save it (optimizer loaded)
         return info
 
+    @property
+    def mem_hooks(self) -> list[Any]:
+        """``hook(MemCommit)`` called after each commit into the mem tier (empty list and
+        never called without one); see :mod:`stepvault.manager.mem_saving`."""
+        return self._mem_saver.hooks if self._mem_saver is not None else []
+
+    def add_restore_source(self, name: str, store: Store, *, before: str = "hot") -> None:
+        """Restore also from ``store`` (e.g. a peer node's memory), tried just before tier
+        ``before``; everything read from it is hash-verified like any tier."""
+        from ..tiers.view import TieredView
+
+        s = self._session
+        if not isinstance(s.view, TieredView):
+            from ..tiers.config import Tiers
+
+            s.view = TieredView(Tiers(self.store, []))
+            self._restorer.session = s
+        s.view.add_source(name, store, before=before)
+        s.view_records.clear()
+
     # ----------------------------------------------------------------------- queries
     def checkpoints(self) -> list[CheckpointRecord]:
         """Every committed checkpoint of the run, oldest first."""
@@ -514,6 +555,8 @@ class CheckpointManager:
                         self._retention.apply()
                     except (StepvaultError, OSError):
                         pass  # the next session's first save applies it
+            if self._mem_saver is not None and self._session.scope.coordinator:
+                self._mem_saver.close()  # newest mem copy to disk, then the tier removed
         finally:
             self._closed = True
             self._stop.set()

@@ -59,8 +59,14 @@ class ManagerOptions:
     collective: bool | None = None
     #: host memory for staging copies, in bytes (given as an int or "8GB"); None: one copy
     staging_memory: int | str | None = None
+    #: the mem tier's budget, in bytes (an int or "8GB"); None: half its tmpfs
+    mem_budget: int | str | None = None
+    #: remove the mem tier when the manager closes normally
+    mem_cleanup: bool = True
 
     def __post_init__(self) -> None:
+        if self.mem_budget is not None:
+            object.__setattr__(self, "mem_budget", parse_size("mem_budget", self.mem_budget))
         if self.staging_memory is not None:  # stored as bytes
             object.__setattr__(
                 self, "staging_memory", parse_size("staging_memory", self.staging_memory)

@@ -61,6 +61,9 @@ class ManagerRestorer:
         if not candidates:
             s.event("restore", step=None, result="fresh start")
             return None
+        reset = getattr(s.view, "reset_served", None)
+        if reset is not None:
+            reset()  # the view counts bytes per tier: which one the restore came from
         try:
             info = self._restore(state, candidates, fallback, strict, assign)
         except BaseException as exc:
@@ -75,6 +78,9 @@ class ManagerRestorer:
                 skipped=[{"step": k.step, "reason": k.reason} for k in skipped],
             )
             raise
+        served = dict(getattr(s.view, "served", {}))
+        info.tier_bytes = served
+        info.tier = max(served, key=lambda t: served[t]) if served else "hot"
         s.stats.restored(True, len(info.skipped))
         if s.metrics:
             s.metrics.restored(True, len(info.skipped))
@@ -87,6 +93,8 @@ class ManagerRestorer:
             skipped=[{"step": k.step, "reason": k.reason} for k in info.skipped],
             seconds=time.perf_counter() - t0,
             bytes_read=info.bytes_read,
+            tier=info.tier,
+            tier_bytes=info.tier_bytes,
         )
         return info
 

@@ -63,6 +63,7 @@ class LocalWriter:
         self.staging = staging
         self._parent: Manifest | None = None  # the last commit: its object table is reused
         self._warned_budget = False
+        self.mem: Any = None  # a MemSaver (.mem_saving) when the manager has a mem tier
 
     def in_flight_limit(self) -> int:
         """Saves that may be in flight at once (the staging budget's slots, at least 1)."""
@@ -133,6 +134,12 @@ class LocalWriter:
             try:
                 if area is not None:
                     area.wait_copied()  # device-to-host copies done (at once on CPU)
+                mem_info, fields = None, {}
+                if self.mem is not None:  # into node memory first (.mem_saving)
+                    mem_info, fields = self.mem.save(manifest, host, urgent=decision.urgent)
+                if mem_info is not None and not self.mem.wants_disk(step, decision.urgent):
+                    rate = mem_info.throughput if math.isfinite(mem_info.throughput) else None
+                    return mem_info, {**fields, "tier": "mem", "throughput_bytes_per_s": rate}
                 info = write_manifest(
                     s.store,
                     manifest,
@@ -142,6 +149,8 @@ class LocalWriter:
                     workers=s.options.workers,
                     parent=self._parent,
                 )
+                if mem_info is not None:
+                    fields["tier"] = "mem+hot"
             except BaseException as exc:
                 s.failed(step, exc)
                 raise
@@ -154,7 +163,7 @@ class LocalWriter:
                     self.staging.prepare(snapshot.arrays)
             self._parent = manifest
             rate = info.throughput if math.isfinite(info.throughput) else None
-            return info, {"throughput_bytes_per_s": rate}
+            return info, {**fields, "throughput_bytes_per_s": rate}
 
         return Staged(time.perf_counter() - t0, background, commit, started=t0)
 

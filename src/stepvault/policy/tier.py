@@ -37,6 +37,7 @@ __all__ = [
     "ArchiveProtected",
     "CopyEvery",
     "HotLast",
+    "MemLast",
     "MoveAfter",
     "Placement",
     "TierAny",
@@ -144,15 +145,29 @@ class HotLast(TierPolicy):
     their cold copies, if any rule wants them somewhere, are committed; otherwise they are
     simply deleted, as a keep policy would)."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, tier: str = "hot") -> None:
         self.k = positive_int("HotLast(k)", k)
+        if tier not in ("hot", "mem"):
+            raise ValueError(f"HotLast(tier=) must be 'hot' or 'mem', got {tier!r}")
+        # tier="mem": the mem tier keeps the k newest (applied by the mem tier's writer,
+        # stepvault.manager.mem_saving); it says nothing about hot or cold tiers.
+        self.tier = tier
 
     def place(self, records, now, holdings) -> Placement:
+        if self.tier != "hot":
+            return Placement()
         newest = [r for r in records if r.valid][-self.k :]
         return Placement(hot={r.step: f"last {self.k} in hot" for r in newest})
 
     def __repr__(self) -> str:
-        return f"HotLast({self.k})"
+        return f"HotLast({self.k})" if self.tier == "hot" else f"MemLast({self.k})"
+
+
+class MemLast(HotLast):
+    """The mem tier keeps the ``k`` newest checkpoints (``HotLast(k, tier="mem")``)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k, tier="mem")
 
 
 class CopyEvery(TierPolicy):
@@ -180,6 +195,8 @@ class CopyEvery(TierPolicy):
                 raise ValueError("CopyEvery: the interval must be positive")
 
     def place(self, records, now, holdings) -> Placement:
+        if self.tier == "hot":  # with a mem tier: which saves also go to disk (mem_saving)
+            return Placement()
         valid = [r for r in records if r.valid]
         if self.steps is not None:
             reason = f"every {self.steps} steps to {self.tier}"
@@ -200,7 +217,7 @@ class CopyEvery(TierPolicy):
         return Placement(cold={self.tier: chosen})
 
     def tiers(self) -> set[str]:
-        return {self.tier}
+        return set() if self.tier == "hot" else {self.tier}
 
     def __repr__(self) -> str:
         if self.steps is not None:

@@ -19,6 +19,7 @@ from ..policy import (
     ArchiveProtected,
     CopyEvery,
     HotLast,
+    MemLast,
     MoveAfter,
     TierAny,
     TierPlan,
@@ -27,16 +28,20 @@ from ..policy import (
 )
 from .config import HOT, TierError, Tiers, TierSpec, add_tier, read_tier_specs, remove_tier
 from .copy import CopyStats, copy_checkpoint
+from .mem import MEM, MemTier
 from .mover import MoveReport, TierMover, apply_tier_policy
 from .view import CatalogEntry, TieredView, catalog, read_view
 
 __all__ = [
     "HOT",
+    "MEM",
     "ArchiveProtected",
     "CatalogEntry",
     "CopyEvery",
     "CopyStats",
     "HotLast",
+    "MemLast",
+    "MemTier",
     "MoveAfter",
     "MoveReport",
     "TierAny",

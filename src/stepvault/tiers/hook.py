@@ -10,6 +10,7 @@ from ..engine.gc import DEFAULT_GRACE_SECONDS
 from ..policy import TierPolicy
 from ..store import Backend, Store
 from .config import Tiers, add_tier, read_tier_specs, spec_for
+from .mem import MEM
 from .mover import TierMover
 from .view import TieredView
 
@@ -22,6 +23,7 @@ def setup_tiers(
     *,
     coordinator: bool = True,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    mem: Store | None = None,
 ) -> tuple[Store, TierMover | None]:
     """``(read view, mover or None)`` for a manager writing ``run`` to ``hot``.
 
@@ -47,6 +49,9 @@ def setup_tiers(
             specs.append(spec_for(name, target))
     opened = Tiers(hot, specs, stores)
     view: Store = TieredView(opened) if opened.cold_names else hot
+    if mem is not None:  # the mem tier's store (.mem): read first, before hot
+        opened._stores[MEM] = mem
+        view = TieredView(opened, [MEM, *opened.names])
     mover = None
     if policy is not None and coordinator:
         mover = TierMover(opened, run, policy, grace_seconds=grace_seconds)

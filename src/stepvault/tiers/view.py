@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, ManifestError, StepvaultError
 from ..store import Store
 from .config import HOT, TIERS_KEY, Tiers
+from .mem import MEM
 
 
 class TieredView(Store):
@@ -32,6 +33,25 @@ class TieredView(Store):
         self.order = list(names or tiers.names)
         self._usable: dict[str, Store] = {}
         self.unreachable: dict[str, str] = {}
+        #: bytes of objects served per tier since the last :meth:`reset_served` (a
+        #: restore reports the tier it mostly came from)
+        self.served: dict[str, int] = {}
+
+    def add_source(self, name: str, store: Store, *, before: str = HOT) -> None:
+        """Read from ``store`` (any Store, e.g. a peer node's memory) just before tier
+        ``before`` in the restore order; every object it serves is verified by the reader."""
+        self.tiers._stores[name] = store
+        self._usable[name] = store
+        if name in self.order:
+            self.order.remove(name)
+        at = self.order.index(before) if before in self.order else len(self.order)
+        self.order.insert(at, name)
+
+    def reset_served(self) -> None:
+        self.served = {}
+
+    def _count(self, name: str, nbytes: int) -> None:
+        self.served[name] = self.served.get(name, 0) + nbytes
 
     def _stores(self) -> list[tuple[str, Store]]:
         out = []
@@ -126,18 +146,26 @@ class TieredView(Store):
             return False
 
     def map_object(self, digest: str) -> memoryview | None:
-        hot = self._usable.get(HOT) or self.tiers.hot
-        try:
-            return hot.map_object(digest)
-        except FileNotFoundError:
-            return None  # the reader falls back to read_object: the cold tiers
-
-    def read_object(self, digest: str) -> bytes:
-        for _, store in self._stores():
+        # Zero-copy from the local tiers: the mem tier (tmpfs) when the view has one, then hot.
+        for name in [n for n in self.order if n in (MEM, HOT)]:
+            store = self._usable.get(name) or self.tiers.get(name, create=False)
             try:
-                return store.read_object(digest)
+                view = store.map_object(digest)
             except FileNotFoundError:
                 continue
+            if view is not None:
+                self._count(name, view.nbytes)
+            return view
+        return None  # the reader falls back to read_object: the cold tiers
+
+    def read_object(self, digest: str) -> bytes:
+        for name, store in self._stores():
+            try:
+                data = store.read_object(digest)
+            except FileNotFoundError:
+                continue
+            self._count(name, len(data))
+            return data
         raise FileNotFoundError(digest)
 
     def object_size(self, digest: str) -> int:
@@ -148,6 +176,7 @@ class TieredView(Store):
 
     def quarantine_object(self, digest: str) -> str:
         """Quarantine a damaged object in the tier it was read from (the hottest holder)."""
+        self.served = {}  # the attempt failed: the retry's bytes say where it came from
         try:
             return self._first(digest).quarantine_object(digest)
         except FileNotFoundError:

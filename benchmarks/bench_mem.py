@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""Restore after a process crash: the mem tier (node shared memory) vs the local disk with a
+cold page cache vs an S3 tier (loopback server). Rewrites the ``mem`` section of
+BENCHMARKS.md::
+
+    python benchmarks/bench_mem.py [--size-mb 1536] [--repeats 3] [--out BENCHMARKS.md]
+
+One checkpoint of a ``--size-mb`` fp32 model is saved by a ``CheckpointManager`` with a mem
+tier (``tiers={"mem": ...}``: committed into /dev/shm, then to disk) and copied to an S3
+tier. Each restore then runs in a fresh process, as after a crash: a new manager restores
+into a freshly built model, and the time of ``mgr.restore()`` is reported (it is also in
+the ``restore`` event and ``RestoreInfo.seconds``):
+
+- **mem**: the manager with the mem tier reads from memory (``info.tier == "mem"``);
+- **disk, cold cache**: a manager without a mem tier, after every object file was dropped
+  from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``, no root needed);
+- **S3**: ``stepvault.restore`` from the S3 tier (moto server on 127.0.0.1, 16 fetches).
+
+Target: mem ≤ 0.3x local disk (cold cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+import torch
+from _common import REPO, fmt_bytes, table
+from bench_tiers import S3Server, make_model, nbytes
+
+import stepvault
+from stepvault import CheckpointManager
+from stepvault.store import Store
+from stepvault.store.fsspec_backend import open_fsspec
+from stepvault.tiers import copy_checkpoint
+
+RUN = "bench"
+TARGET = 0.3
+
+
+def drop_page_cache(root: Path) -> None:
+    """Evict every file under ``root`` from the page cache (it was fsynced by the save)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def crash(mgr: CheckpointManager) -> None:
+    """Leave the manager as a crashed process would (its mem tier kept), but hand the lease
+    back so that the next process (the restart) may write the run at once."""
+    mgr._stop.set()  # the heartbeat thread must not renew the lease after this
+    mgr._heartbeat.join()
+    mgr._lease.release()  # type: ignore[union-attr]
+    mgr._closed = True
+
+
+def child(args: argparse.Namespace) -> None:
+    """One restore in this fresh process; prints ``{"seconds": ..., "tier": ...}``."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    model = make_model(args.size_mb, seed=1)
+    state = {"model": model}
+    if args.child == "s3":
+        store = Store.open(open_fsspec(args.s3_url, endpoint_url=args.endpoint))
+        t0 = time.perf_counter()
+        stepvault.restore(store, state, run=RUN, progress=False)
+        seconds, tier = time.perf_counter() - t0, "s3"
+    else:
+        tiers = {"mem": args.mem_root} if args.child == "mem" else None
+        mgr = CheckpointManager(args.hot, RUN, tiers=tiers, mem_cleanup=False, lineage=False)
+        t0 = time.perf_counter()
+        info = mgr.restore(state)
+        seconds = time.perf_counter() - t0
+        assert info is not None
+        tier = str(info.tier)
+        crash(mgr)
+    print(json.dumps({"seconds": seconds, "tier": tier}), flush=True)
+
+
+def run_child(mode: str, args: argparse.Namespace, extra: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--child", mode, "--size-mb", str(args.size_mb), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} restore failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=int, default=1536)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--mem-root", default=None, help="default: /dev/shm/stepvault-bench")
+    ap.add_argument("--no-s3", action="store_true")
+    # child mode (internal)
+    ap.add_argument("--child", choices=("mem", "disk", "s3"))
+    ap.add_argument("--hot")
+    ap.add_argument("--s3-url")
+    ap.add_argument("--endpoint")
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    t_start = time.perf_counter()
+    facts = _common.machine_facts(REPO, {"s3 server": "moto " + _common.version("moto")})
+    s3 = None if args.no_s3 else S3Server()
+    results: dict[str, list[float]] = {"mem": [], "disk": [], "s3": []}
+    tiers_seen: dict[str, set[str]] = {k: set() for k in results}
+    try:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            hot = Path(tmp) / "hot"
+            mem_root = args.mem_root or tempfile.mkdtemp(
+                prefix="stepvault-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp
+            )
+            model = make_model(args.size_mb)
+            size = nbytes(model)
+            mgr = CheckpointManager(hot, RUN, tiers={"mem": mem_root}, mem_cleanup=False)
+            mgr.save(1, {"model": model}, force=True)
+            mgr.wait()
+            mem_path = mgr.mem_tier.path  # type: ignore[union-attr]
+            crash(mgr)
+            del model
+            s3_url = endpoint = None
+            if s3 is not None:
+                endpoint = s3.endpoint
+                s3_url = f"s3://{s3.bucket()}/cold"
+                cold = Store.open(open_fsspec(s3_url, endpoint_url=endpoint), create=True)
+                copy_checkpoint(Store.open(hot), cold, RUN, 1)
+            for _ in range(args.repeats):
+                r = run_child("mem", args, ["--hot", str(hot), "--mem-root", mem_root])
+                results["mem"].append(r["seconds"])
+                tiers_seen["mem"].add(r["tier"])
+                drop_page_cache(hot)
+                r = run_child("disk", args, ["--hot", str(hot)])
+                results["disk"].append(r["seconds"])
+                tiers_seen["disk"].add(r["tier"])
+                if s3_url is not None:
+                    r = run_child("s3", args, ["--s3-url", s3_url, "--endpoint", str(endpoint)])
+                    results["s3"].append(r["seconds"])
+                    tiers_seen["s3"].add(r["tier"])
+            import shutil
+
+            shutil.rmtree(mem_path, ignore_errors=True)
+            if not args.mem_root:
+                shutil.rmtree(mem_root, ignore_errors=True)
+    finally:
+        if s3 is not None:
+            s3.stop()
+    med = {k: _common.median(v) for k, v in results.items() if v}
+    ratio = med["mem"] / med["disk"] if med.get("disk") else float("nan")
+    body = []
+    labels = {
+        "mem": "mem tier (/dev/shm)",
+        "disk": "local disk, cold page cache",
+        "s3": "S3 tier (moto on 127.0.0.1)",
+    }
+    for k in ("mem", "disk", "s3"):
+        if results[k]:
+            body.append(
+                [
+                    labels[k],
+                    ", ".join(sorted(tiers_seen[k])),
+                    _common.secs(results[k], 3),
+                    f"{size / med[k] / 1e9:.2f} GB/s",
+                    f"{med[k] / med['disk']:.2f}x" if med.get("disk") else "",
+                ]
+            )
+    verdict = _common.verdict(ratio <= TARGET)
+    lines = _common.section_head(
+        "Restore after a process crash: mem tier vs disk vs S3",
+        f"python benchmarks/bench_mem.py --size-mb {args.size_mb} --repeats {args.repeats}",
+        time.perf_counter() - t_start,
+        facts,
+    )
+    lines += [
+        f"State: one fp32 model of {fmt_bytes(size)}; each restore in a fresh process "
+        "(a new manager, as after a crash); times are `mgr.restore()` (median of "
+        f"{args.repeats}).",
+        "",
+        table(["restore from", "tier reported", "seconds", "throughput", "vs disk cold"], body),
+        "",
+        f"Target mem ≤ {TARGET}x local disk (cold cache): measured {ratio:.2f}x — {verdict}.",
+    ]
+    section = "\n".join(lines)
+    _common.write_section(args.out, "mem", section)
+    print(section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Saving through the mem tier: commit into node memory first, then to disk as the policy
+asks.
+
+A save with a mem tier is written from the staged host buffers twice, on the writer
+thread: first into the mem tier (tmpfs: the fastest commit, so the best recovery point
+after a process crash), then, unless the policy says this step stays in memory only, into
+the hot store on disk exactly as without a mem tier. Which saves go to disk:
+
+* every save, by default (turning the mem tier on loses nothing);
+* with ``CopyEvery("hot", steps=n)`` in the tier policy, every ``n``-th step, plus every
+  urgent save (a preemption signal: the machine may go away) and every save that does not
+  fit the memory budget.
+
+``MemLast(k)`` (``HotLast(k, tier="mem")``) keeps the ``k`` newest mem copies; the budget
+evicts older ones first (those already on disk before those only in memory, each eviction
+logged). On ``close()`` the newest mem checkpoint is copied to disk if it is not there,
+then (``mem_cleanup=True``) the mem tier is removed.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.info import SaveInfo
+from ..core.write import write_manifest
+from ..errors import StepvaultError
+from ..format import Manifest
+from ..policy import CopyEvery, HotLast, TierAny, TierPolicy
+from ..tiers.mem import MemTier
+from .session import RunSession
+
+
+@dataclass(frozen=True)
+class MemCommit:
+    """A checkpoint just committed into the mem tier (what a replica needs to know)."""
+
+    run: str
+    step: int
+    store: Any  # the mem tier's Store
+    digests: frozenset[str]
+    manifest_bytes: bytes
+    seconds: float
+
+
+#: ``hook(commit)``, called on the writer thread right after a mem commit.
+MemHook = Callable[[MemCommit], None]
+
+
+def mem_rules(policy: TierPolicy | None) -> tuple[int | None, int | None]:
+    """``(k of MemLast(k), n of CopyEvery("hot", steps=n))`` found in ``policy``."""
+    keep: int | None = None
+    disk_every: int | None = None
+    members = policy.policies if isinstance(policy, TierAny) else (policy,)
+    for p in members:
+        if isinstance(p, HotLast) and p.tier == "mem":
+            keep = p.k if keep is None else max(keep, p.k)
+        elif isinstance(p, CopyEvery) and p.tier == "hot":
+            if p.steps is None:
+                raise ValueError(
+                    "CopyEvery('hot', ...) (which saves also go to disk, with a mem tier) "
+                    "takes steps=n; a time interval is not supported for it"
+                )
+            disk_every = p.steps
+    return keep, disk_every
+
+
+def _estimate(host: dict[str, Any], chunk_size: int) -> int:
+    """An upper bound of the bytes a raw save of ``host`` adds: data, object headers,
+    manifest (dedup can only make it smaller)."""
+    total = sum(int(a.nbytes) for a in host.values())
+    chunks = len(host) + total // max(1, chunk_size) + 1
+    return total + 4096 * chunks + 512 * len(host) + (64 << 10)
+
+
+class MemSaver:
+    """Writes a save into the mem tier, applies ``MemLast`` and the budget, and says
+    whether the save must also go to disk."""
+
+    def __init__(
+        self,
+        session: RunSession,
+        mem: MemTier,
+        policy: TierPolicy | None,
+        *,
+        cleanup: bool = True,
+    ) -> None:
+        self.session = session
+        self.mem = mem
+        self.keep, self.disk_every = mem_rules(policy)
+        self.cleanup = cleanup
+        #: ``hook(MemCommit)`` after each mem commit (replication plugs in here)
+        self.hooks: list[MemHook] = []
+
+    def wants_disk(self, step: int, urgent: bool) -> bool:
+        return self.disk_every is None or urgent or step % self.disk_every == 0
+
+    def save(
+        self, manifest: Manifest, host: dict[str, Any], *, urgent: bool
+    ) -> tuple[SaveInfo | None, dict[str, Any]]:
+        """Commit ``manifest`` with ``host`` into the mem tier (a copy: the caller still
+        writes ``manifest`` to disk); ``(info or None when it did not fit, event fields)``."""
+        s, mem = self.session, self.mem
+        need = _estimate(host, int(mem.store.settings.get("chunk_size", 32 << 20)))
+        with mem.lock:
+            on_disk = set(s.store.list_steps(s.run))
+            if not mem.make_room(need, on_disk, log=s.event):
+                s.event(
+                    "mem_over_budget",
+                    step=manifest.step,
+                    needed_bytes=need,
+                    budget=mem.budget,
+                    used_bytes=mem.used_bytes(),
+                    result="saved to disk only",
+                )
+                return None, {"tier": "hot", "mem": "over budget"}
+            m = copy.deepcopy(manifest)
+            t0 = time.perf_counter()
+            try:
+                self._copy_attachments(m)
+                info = write_manifest(mem.store, m, host, codec="raw", overwrite=True)
+            except (StepvaultError, OSError) as exc:
+                # A full or failing tmpfs must not cost the save: it still goes to disk.
+                s.event(
+                    "mem_save_failed",
+                    step=manifest.step,
+                    error=f"{type(exc).__name__}: {exc}",
+                    result="saved to disk only",
+                )
+                return None, {"tier": "hot", "mem": "failed"}
+            seconds = time.perf_counter() - t0
+            self._keep_last(on_disk)
+        commit = MemCommit(
+            m.run,
+            m.step,
+            mem.store,
+            frozenset(m.objects),
+            mem.store.read_manifest(m.run, m.step),
+            seconds,
+        )
+        for hook in self.hooks:
+            hook(commit)
+        return info, {"mem_seconds": seconds, "mem_bytes": mem.used_bytes()}
+
+    def _copy_attachments(self, m: Manifest) -> None:
+        """Attachment objects were written to the hot store at stage time; the mem copy of
+        the checkpoint needs them too."""
+        for digest in m.attachment_objects:
+            if not self.mem.store.has_object(digest):
+                self.mem.store.put_object(digest, [self.session.store.read_object(digest)])
+
+    def _keep_last(self, on_disk: set[int]) -> None:
+        if self.keep is None:
+            return
+        steps = self.mem.steps()
+        for step in steps[: max(0, len(steps) - self.keep)]:
+            freed = self.mem.evict(step)
+            self.session.event(
+                "mem_evicted",
+                step=step,
+                reason=f"MemLast({self.keep})",
+                on_disk=step in on_disk,
+                freed_bytes=freed,
+            )
+
+    def close(self) -> None:
+        """The run ended normally: make sure the newest mem checkpoint is on disk, then
+        (``cleanup``) remove the mem tier."""
+        from ..tiers.copy import copy_checkpoint
+
+        s, mem = self.session, self.mem
+        steps = mem.steps()
+        if steps and steps[-1] not in set(s.store.list_steps(s.run)):
+            try:
+                copy_checkpoint(mem.store, s.store, s.run, steps[-1])
+                s.event("mem_flushed", step=steps[-1], reason="close: newest only in memory")
+            except (StepvaultError, OSError) as exc:
+                s.event("mem_flush_failed", step=steps[-1], error=f"{type(exc).__name__}: {exc}")
+                return  # keep the mem tier: it holds the only copy
+        if self.cleanup:
+            mem.remove()
+            s.event("mem_removed", path=mem.path)
+
+
+def split_mem(tiers: Any) -> tuple[Any, Any]:
+    """``(tiers without "mem", the "mem" value or None)``: ``tiers={"mem": True}`` (the
+    default root) or ``{"mem": "/path/to/tmpfs"}`` turns the mem tier on."""
+    if not tiers or "mem" not in tiers:
+        return tiers, None
+    rest = {k: v for k, v in tiers.items() if k != "mem"}
+    target = tiers["mem"]
+    if target is False or target is None:
+        return rest, None
+    if (
+        target is not True
+        and not isinstance(target, str | bytes)
+        and not hasattr(target, "__fspath__")
+    ):
+        raise ValueError(
+            f"tiers['mem'] must be True (the default root, $STEPVAULT_MEM_ROOT or "
+            f"/dev/shm/stepvault) or a tmpfs directory, got {target!r}"
+        )
+    return rest, target
+
+
+def open_for_manager(session_store: Any, run: str, target: Any, budget: int | None) -> MemTier:
+    """The mem tier of a manager writing ``run`` to ``session_store``."""
+    import os
+
+    from ..tiers.mem import open_mem_tier
+
+    root = None if target is True else os.fsdecode(os.fspath(target))
+    return open_mem_tier(session_store, run, root=root, budget=budget)
+
+
+def start_mem_tier(session: RunSession, mem: MemTier, writer: Any, owner: bool) -> None:
+    """Claim the mem tier for this process (the lease holder) and reclaim stale mem tiers
+    of dead jobs under the same root; a collective (DCP) writer does not write into it."""
+    from ..tiers.mem import reclaim_stale
+
+    if owner:
+        mem.claim()
+        try:
+            for gone in reclaim_stale(mem.root):
+                session.event("mem_reclaimed", path=gone.path, reason=gone.reason)
+        except OSError:
+            pass  # another job's directory we cannot read: left alone
+    if not hasattr(writer, "mem"):
+        session.event(
+            "mem_tier_unused",
+            reason="multi-rank (DCP) saves are written to the hot store; the mem tier is "
+            "read by restores only",
+        )
