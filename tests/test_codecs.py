@@ -129,7 +129,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_registry_and_choices():
-    assert set(CODECS) == {"raw", "zstd", "float"}
+    assert set(CODECS) == {"raw", "zstd", "float", "xor"}  # xor: deltas of cold tiers
     for cid in CODECS:
         assert get_codec(cid).id == cid
     for bad in ("lz4", "", "RAW", None, 3, ["raw"]):

@@ -12,6 +12,7 @@ from rich.table import Table
 from ..catalog.events import log_event
 from ..catalog.vault import parse_ref
 from ..errors import StepvaultError
+from ..format import parse_manifest
 from ..store import Store
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
 
@@ -98,33 +99,25 @@ def diff_cmd(
     root: RootOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Compare two checkpoints: their attachments, and which tensors changed (by content)."""
+    """Compare two checkpoints (any tier): their attachments, and per tensor whether it is
+    equal, its max/mean absolute and relative change, and the bytes an exact or a light
+    checkpoint would take for it. Only tensors whose chunks differ are read."""
     from ..catalog.attachments import diff_attachments
-    from ..format import parse_manifest
+    from ..ops.tensor_diff import diff_manifests
+    from ..tiers.view import read_view
 
     try:
-        store = Store.open(_root(root))
+        store = read_view(Store.open(_root(root)))
         (ra, sa), (rb, sb) = _resolve(store, before), _resolve(store, after)
         files = diff_attachments(_attachments(store, ra, sa), _attachments(store, rb, sb))
         ma = parse_manifest(store.read_manifest(ra, sa), before)
         mb = parse_manifest(store.read_manifest(rb, sb), after)
+        report = diff_manifests(store, ma, mb)
     except StepvaultError as exc:
         return _fail(exc)
-    tensors = []
-    for name in sorted({*ma.tensors, *mb.tensors}):
-        a, b = ma.tensors.get(name), mb.tensors.get(name)
-        if a is None or b is None:
-            status = "added" if a is None else "removed"
-        elif (a.dtype, a.shape) != (b.dtype, b.shape):
-            status = "changed"
-        else:
-            # Same chunk references: same bytes (content addressing). Different references
-            # may still hold equal bytes (a small tensor moved inside a bundle): "changed"
-            # is then conservative, never wrong in the other direction.
-            status = "same" if a.chunks == b.chunks else "changed"
-        tensors.append({"name": name, "status": status})
+    doc = report.to_json()
     if as_json:
-        return _emit_json({"attachments": files, "tensors": tensors})
+        return _emit_json({"attachments": files, **doc})
     table = Table("attachment", "status", "before", "after", title=f"{before} -> {after}")
     for row in files:
         table.add_row(
@@ -133,11 +126,32 @@ def diff_cmd(
             (row["before"] or {}).get("blake3", "")[:12],
             (row["after"] or {}).get("blake3", "")[:12],
         )
-    console.print(table)
-    counts: dict[str, int] = {}
-    for t in tensors:
-        counts[t["status"]] = counts.get(t["status"], 0) + 1
-    console.print(f"tensors: {json.dumps(counts)}", highlight=False)
+    if files:
+        console.print(table)
+
+    def num(x: float | None) -> str:
+        return "" if x is None else f"{x:.3g}"
+
+    tensors = Table(
+        "tensor", "status", "max |Δ|", "mean |Δ|", "rel", "exact", "light", title="tensors"
+    )
+    for t in report.tensors:
+        tensors.add_row(
+            t.name,
+            t.status,
+            num(t.max_abs),
+            num(t.mean_abs),
+            num(t.rel),
+            human_bytes(t.exact_bytes),
+            human_bytes(t.light_bytes),
+        )
+    console.print(tensors)
+    console.print(
+        f"tensors: {json.dumps(doc['counts'])}; an exact checkpoint of {after} after {before} "
+        f"stores {human_bytes(report.exact_bytes)} of new chunks, a light one "
+        f"~{human_bytes(report.light_bytes)}",
+        highlight=False,
+    )
     return None
 
 

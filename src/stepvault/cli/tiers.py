@@ -197,7 +197,11 @@ def tiers_add(
     name: Annotated[str, typer.Argument(help="Tier name, e.g. 'archive'.")],
     url: Annotated[str, typer.Argument(help="Store location: s3://bucket/prefix, a path...")],
     codec: Annotated[
-        str, typer.Option(help="'keep' (copy as stored) or a codec to re-encode: auto, zstd...")
+        str,
+        typer.Option(
+            help="'keep' (copy as stored), a codec to re-encode (auto, zstd...) or "
+            "'xor'/'xor:K' (lossless deltas, a full object every K)"
+        ),
     ] = "keep",
     endpoint_url: Annotated[
         str | None, typer.Option(help="S3-compatible endpoint (MinIO, ...).")

@@ -21,6 +21,7 @@ from ..format.dtypes import dtype_info
 from ..format.encoding import torch_dtype, torch_dtype_name
 from ..format.manifest import Manifest, TensorEntry
 from ..format.objects import decode_object
+from ..format.xor_codec import MAX_CHAIN
 from ..store import Store
 from .copying import parallel_copy
 from .writer import default_workers
@@ -32,8 +33,13 @@ if TYPE_CHECKING:
 # listing and inspecting a store reads manifests through this module without torch.
 
 
-def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryview:
-    """Decoded, verified bytes of one object (a private copy-on-write map when raw on disk)."""
+def fetch_object(
+    store: Store, digest: str, *, verify: bool = True, max_chain: int = MAX_CHAIN
+) -> memoryview:
+    """Decoded, verified bytes of one object (a private copy-on-write map when raw on disk).
+
+    A delta object's base is fetched from ``store`` too (through a tier view: from any
+    tier), verified, with a chain at most ``max_chain`` links long."""
     try:
         buf: memoryview | bytes | None = store.map_object(digest)
         if buf is None:
@@ -49,13 +55,21 @@ def fetch_object(store: Store, digest: str, *, verify: bool = True) -> memoryvie
         err.digest = digest
         raise err from None
     try:
-        raw = decode_object(buf, digest, verify=verify)
+        raw = decode_object(
+            buf, digest, verify=verify, base=base_reader(store), max_chain=max_chain
+        )
     except CorruptObjectError as exc:
-        exc.digest = digest
+        if exc.digest is None:  # a damaged base keeps its own name: that one is set aside
+            exc.digest = digest
         raise
     if raw.readonly:
         raw = memoryview(bytearray(raw))
     return raw
+
+
+def base_reader(store: Store) -> Callable[[str, int], memoryview]:
+    """Reads delta bases from ``store`` (for :func:`~stepvault.format.objects.decode_object`)."""
+    return lambda digest, max_chain: fetch_object(store, digest, max_chain=max_chain)
 
 
 def is_mapped(view: memoryview) -> bool:

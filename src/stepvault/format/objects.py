@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptObjectError, StoreVersionError
+from ..errors import CorruptObjectError, MissingObjectError, StoreVersionError
 from .codecs import get_codec
 from .hashing import content_hash
+from .xor_codec import MAX_CHAIN, MissingBaseError, XorCodec, chain_of
+
+#: ``base(digest, max_chain)``: the verified raw bytes of a delta object's base, decoded
+#: with chains of at most ``max_chain`` links (the engine's fetch_object binds a store).
+BaseReader = Callable[[str, int], memoryview]
 
 MAGIC = b"SVOB"
 OBJECT_FORMAT_VERSION = 1
@@ -73,12 +79,19 @@ def encode_object(
         payload, params = get_codec(codec_id).encode(raw, dtype)
         if sum(memoryview(p).nbytes for p in payload) > MIN_GAIN_RATIO * raw.nbytes:
             codec_id, payload, params = "raw", [raw], {}
-    header = {"codec": codec_id, "raw_size": raw.nbytes, "raw_blake3": digest, "params": params}
+    return frame_object(digest, codec_id, raw.nbytes, params, payload)
+
+
+def frame_object(
+    digest: str, codec_id: str, raw_size: int, params: dict[str, Any], payload: list[Any]
+) -> EncodedObject:
+    """The object file (prefix, padded JSON header, payload) for an encoded chunk."""
+    header = {"codec": codec_id, "raw_size": raw_size, "raw_blake3": digest, "params": params}
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     pad = (-(_PREFIX.size + len(text))) % _ALIGN
     text += b" " * pad
     prefix = _PREFIX.pack(MAGIC, OBJECT_FORMAT_VERSION, 0, len(text))
-    return EncodedObject(digest, codec_id, raw.nbytes, [prefix + text, *payload])
+    return EncodedObject(digest, codec_id, raw_size, [prefix + text, *payload])
 
 
 def parse_header(buf: memoryview | bytes) -> ObjectHeader:
@@ -117,11 +130,20 @@ def parse_header(buf: memoryview | bytes) -> ObjectHeader:
     return ObjectHeader(codec, raw_size, raw_hash, params, _PREFIX.size + hlen)
 
 
-def decode_object(buf: memoryview | bytes, expected_digest: str, *, verify: bool = True):
+def decode_object(
+    buf: memoryview | bytes,
+    expected_digest: str,
+    *,
+    verify: bool = True,
+    base: BaseReader | None = None,
+    max_chain: int = MAX_CHAIN,
+):
     """Decode a whole object file; returns the raw bytes (a zero-copy view for ``raw``).
 
     With ``verify`` the decoded bytes are hashed and compared with ``expected_digest`` (the
     object's name): any damage raises :class:`CorruptObjectError`, never returns bad data.
+    A delta (``xor``) object reads its base through ``base``; without one, or when the
+    base is missing, :class:`~stepvault.format.xor_codec.MissingBaseError`.
     """
     view = memoryview(buf).cast("B")
     header = parse_header(view)
@@ -131,8 +153,19 @@ def decode_object(buf: memoryview | bytes, expected_digest: str, *, verify: bool
             f"({header.raw_blake3[:16]}…)"
         )
     codec = get_codec(header.codec)
+    # A base's own errors (missing, damaged: they name that object) pass through unwrapped.
+    base_raw = (
+        _read_base(expected_digest, header, base, max_chain)
+        if isinstance(codec, XorCodec)
+        else None
+    )
     try:
-        raw = codec.decode(view[header.payload_offset :], header.raw_size, header.params)
+        if isinstance(codec, XorCodec) and base_raw is not None:
+            raw = codec.decode_with_base(
+                view[header.payload_offset :], header.raw_size, header.params, base_raw
+            )
+        else:
+            raw = codec.decode(view[header.payload_offset :], header.raw_size, header.params)
     except CorruptObjectError as exc:
         raise CorruptObjectError(f"object {expected_digest[:16]}…: {exc}") from exc
     except (ValueError, TypeError, KeyError) as exc:  # damaged params
@@ -145,3 +178,36 @@ def decode_object(buf: memoryview | bytes, expected_digest: str, *, verify: bool
             f"object {expected_digest[:16]}… content does not match its hash (bit rot or tampering)"
         )
     return raw
+
+
+def _read_base(
+    digest: str, header: ObjectHeader, base: BaseReader | None, max_chain: int
+) -> memoryview:
+    """The verified bytes of a delta object's base (errors name both objects)."""
+    try:
+        chain = chain_of(header.params)
+    except CorruptObjectError as exc:
+        raise CorruptObjectError(f"object {digest[:16]}…: {exc}") from exc
+    if len(chain) > max_chain:
+        # Each base must have a shorter chain than the delta naming it: no loops.
+        raise CorruptObjectError(
+            f"object {digest[:16]}…: xor chain of {len(chain)} links where at most "
+            f"{max_chain} may follow (damaged header)"
+        )
+    if base is None:
+        err = MissingBaseError(
+            f"object {digest[:16]}… is an xor delta against {chain[0][:16]}…; decode it "
+            "through a store that holds its base"
+        )
+        err.digest = digest
+        raise err
+    try:
+        return memoryview(base(chain[0], len(chain) - 1)).cast("B")
+    except MissingObjectError as exc:
+        err = MissingBaseError(
+            f"object {digest[:16]}… is an xor delta whose base {chain[0][:16]}… cannot be "
+            f"read ({exc}); this copy is unusable: restore reads another tier's copy or "
+            "falls back to another checkpoint ('stepvault verify --deep' lists such objects)"
+        )
+        err.digest = digest
+        raise err from None

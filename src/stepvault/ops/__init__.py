@@ -27,6 +27,9 @@ _LAZY = {
     "import_checkpoints": ".migrate",
     "RepairReport": ".repair",
     "repair_store": ".repair",
+    "DiffReport": ".tensor_diff",
+    "TensorDiff": ".tensor_diff",
+    "diff": ".tensor_diff",
 }
 
 
@@ -44,9 +47,11 @@ if TYPE_CHECKING:
         import_dcp,
     )
     from .repair import RepairReport, repair_store
+    from .tensor_diff import DiffReport, TensorDiff, diff
 
 __all__ = [
     "CheckpointReport",
+    "DiffReport",
     "ExportReport",
     "GCResult",
     "ImportReport",
@@ -54,10 +59,12 @@ __all__ = [
     "RunUsage",
     "SignatureReport",
     "StoreUsage",
+    "TensorDiff",
     "UntrustedInputError",
     "VerifyReport",
     "collect_garbage",
     "dequantize_int8",
+    "diff",
     "export_weights",
     "import_checkpoint",
     "import_checkpoints",

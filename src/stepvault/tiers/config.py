@@ -38,7 +38,9 @@ class TierSpec:
 
     ``codec="keep"`` (default) copies stored objects byte for byte, so a checkpoint's
     manifest is identical in every tier; ``"auto"``/``"float"``/``"zstd"`` re-encode objects
-    for size as they move (principle 6: colder tiers favour size). Signed checkpoints are
+    for size as they move (principle 6: colder tiers favour size); ``"xor"``/``"xor:K"``
+    also store an object as a lossless delta against the tier's previous checkpoint where
+    that is smaller (a full object every K, default 8; STORAGE.md). Signed checkpoints are
     always copied with ``"keep"`` so their signature stays valid.
     """
 
@@ -53,6 +55,15 @@ class TierSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "codec": self.codec, "options": self.options}
+
+
+def _is_delta(codec: str) -> bool:
+    from ..format.xor_codec import chain_limit
+
+    try:
+        return chain_limit(codec) is not None
+    except ValueError:
+        return False
 
 
 def check_tier_name(name: str) -> str:
@@ -93,8 +104,12 @@ def write_tier_specs(hot: Store, specs: list[TierSpec]) -> None:
             )
         from ..format import CODEC_CHOICES
 
-        if s.codec != "keep" and s.codec not in CODEC_CHOICES:
-            raise TierError(f"tier {s.name!r}: codec must be 'keep' or one of {CODEC_CHOICES}")
+        if s.codec != "keep" and s.codec not in CODEC_CHOICES and not _is_delta(s.codec):
+            raise TierError(
+                f"tier {s.name!r}: codec must be 'keep', one of {CODEC_CHOICES} or "
+                f"'xor'/'xor:K' (lossless deltas, a full object every K; K <= 64), "
+                f"not {s.codec!r}"
+            )
     data = json.dumps({"tiers": [s.to_json() for s in specs]}, indent=2, sort_keys=True)
     hot.backend.put_atomic(TIERS_KEY, [(data + "\n").encode()], overwrite=True)
     hot.sync()
@@ -165,7 +180,10 @@ class Tiers:
                 store = Store.open(backend_for(spec.url, **spec.options))
             else:
                 defaults = {k: self.hot.settings[k] for k in _INHERITED if k in self.hot.settings}
-                defaults["codec"] = "raw" if spec.codec == "keep" else spec.codec
+                # An xor tier's plain objects (first of a chain, or where no delta pays
+                # off) use the best plain encoding.
+                plain = "auto" if _is_delta(spec.codec) else spec.codec
+                defaults["codec"] = "raw" if spec.codec == "keep" else plain
                 store = open_tier_store(spec.url, spec.options, defaults)
             self._stores[name] = store
         return store

@@ -17,12 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointExistsError, CorruptObjectError, MissingObjectError
+from ..engine.reader import base_reader
+from ..errors import CheckpointExistsError, CorruptObjectError, MissingObjectError, StepvaultError
 from ..format import parse_manifest
 from ..format.codecs import choose_codec
 from ..format.manifest import ObjectEntry, serialize_manifest
-from ..format.objects import decode_object, encode_object, parse_header
+from ..format.objects import EncodedObject, decode_object, encode_object, parse_header
+from ..format.xor_codec import chain_limit
 from ..store import Store
+from .delta_copy import DELTA_MARKER, DeltaCopy, read_header
 
 #: Objects in flight at once: object stores reward many parallel requests.
 DEFAULT_COPY_WORKERS = 16
@@ -66,8 +69,11 @@ def copy_checkpoint(
 ) -> CopyStats:
     """Copy ``run@step`` from ``src`` to ``dst`` (objects first, manifest last).
 
-    ``codec="keep"`` copies stored objects byte for byte (the manifest stays identical);
-    another codec re-encodes objects that ``dst`` lacks. Returns with ``already_there``
+    ``codec="keep"`` copies stored objects byte for byte (the manifest stays identical,
+    unless it reuses a delta object of ``dst``: then it also lists that delta's bases);
+    another codec re-encodes objects that ``dst`` lacks; ``"xor"``/``"xor:K"`` also
+    stores them as deltas against the tier's previous checkpoint where that is smaller
+    (:mod:`.delta_copy`). Returns with ``already_there``
     when ``dst`` already holds the checkpoint. ``progress(done, total)`` gets the stored
     bytes of the objects handled so far (copied or already there). Raises
     CorruptObjectError/MissingObjectError (nothing committed) when the source is damaged.
@@ -89,6 +95,13 @@ def copy_checkpoint(
         codec = "keep"  # re-encoding would change the signed manifest bytes
     dtypes = _dtypes(manifest)
     changed: dict[str, ObjectEntry] = {}
+    limit = chain_limit(codec)
+    plain_codec = "auto" if limit else codec
+    # Deltas are written by an xor tier copy; a byte-for-byte copy into a store that holds
+    # some still lists the bases of any delta it reuses (GC marks from manifests).
+    deltas = None
+    if limit or dst.backend.exists(DELTA_MARKER):
+        deltas = DeltaCopy(src, dst, run, step, manifest, limit or 0)
 
     def one(digest: str) -> tuple[int, int, bool]:
         try:
@@ -97,9 +110,12 @@ def copy_checkpoint(
             size = None
         if size is not None:
             dst.touch_object(digest)
-            if codec != "keep":
-                head = dst.backend.read_range(dst.object_key(digest), 0, 4096)
-                changed[digest] = ObjectEntry(parse_header(head).codec, size, 0)
+            if codec != "keep" or deltas is not None:
+                head = read_header(dst, digest)
+                if codec != "keep":
+                    changed[digest] = ObjectEntry(head.codec, size, 0)
+                if deltas is not None:
+                    deltas.note_reused(digest, head)
             return 0, 0, False
         try:
             data = src.read_object(digest)
@@ -109,17 +125,21 @@ def copy_checkpoint(
                 "nothing was committed in the target"
             ) from None
         try:
-            raw = decode_object(data, digest, verify=True)
+            raw = decode_object(data, digest, verify=True, base=base_reader(src))
         except CorruptObjectError as exc:
-            exc.digest = digest
+            if exc.digest is None:
+                exc.digest = digest
             raise
         parts: list[Any] = [data]
         if codec != "keep":
             header = parse_header(data)
-            target = choose_codec(codec, dtypes.get(digest))
+            target = choose_codec(plain_codec, dtypes.get(digest))
             if header.codec != target:
                 enc = encode_object(raw, target, dtypes.get(digest), digest)
                 parts = enc.parts
+            if limit and deltas is not None:
+                plain = EncodedObject(digest, target, raw.nbytes, parts)
+                parts = deltas.encode(digest, raw, dtypes.get(digest), plain).parts
             written = sum(memoryview(p).nbytes for p in parts)
             changed[digest] = ObjectEntry(parse_header(parts[0]).codec, written, raw.nbytes)
         dst.put_object(digest, parts)
@@ -139,10 +159,19 @@ def copy_checkpoint(
                 stats.copied_objects += new
                 stats.reused_objects += not new
     data = raw_manifest
-    if changed:
+    bases = {} if deltas is None else deltas.bases
+    new_bases = {h: e for h, e in bases.items() if h not in manifest.objects}
+    if new_bases and signature is not None:
+        raise StepvaultError(
+            f"{run}@{step} is signed, and {dst.backend.url} holds some of its objects as xor "
+            "deltas whose bases a signed manifest cannot list; copy signed runs to a tier "
+            "whose codec is not xor. Nothing was committed in the target"
+        )
+    if changed or new_bases:
         for digest, entry in changed.items():
             old = manifest.objects[digest]
             manifest.objects[digest] = ObjectEntry(entry.codec, entry.size, old.raw_size)
+        manifest.objects.update(new_bases)
         data = serialize_manifest(manifest)
     info = src.read_run_info(run) or {"run": run, "created": manifest.created}
     dst.ensure_run(run, info)
@@ -151,6 +180,8 @@ def copy_checkpoint(
     if signature is not None:
         dst.backend.put_atomic(signature_key, [signature], overwrite=True)
     dst.sync()  # every object and record durable before the manifest names them
+    if deltas is not None:
+        deltas.check_bases()
     if before_commit is not None:
         before_commit()
     try:
