@@ -68,6 +68,9 @@ class RestoreInfo:
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
     seconds: float = 0.0
     bytes_read: int = 0
+    #: Where the bytes came from when a restore chose among memory copies: "mem" (this
+    #: node's memory), "peer" (the buddy node's memory); None for a plain store restore.
+    tier: str | None = None
 
     @classmethod
     def of_manifest(
