@@ -27,6 +27,9 @@ def node_of(rank: int, world: int) -> str:
 
 
 def run(rank: int, world: int, port: int, task: str, mem: str, out: str, arg: str) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ.get("T16B_DUMP", "1e6")), exit=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["STEPVAULT_NODE"] = node_of(rank, world)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))

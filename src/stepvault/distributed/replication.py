@@ -90,6 +90,8 @@ class Replicator:
         self.buddy: int | None = buddies.get(self.rank)
         self.source: int | None = next((s for s, b in buddies.items() if b == self.rank), None)
         self._buddies = buddies
+        with contextlib.suppress(OSError):  # a reservation a killed predecessor left behind
+            self._reservation().unlink()
         # Created on every rank in the same order (new_group is collective).
         self.group = dist.new_group(backend="gloo")
         self.link = Link(self.group)
@@ -151,7 +153,7 @@ class Replicator:
             mine = rank_run(run, self.rank)
             offer = make_offer(self.own, mine, step, held=True) if self.buddy is not None else None
             target = self.peer_store(self.source) if self.source is not None else None
-            with self._budget_lock() if target is not None else contextlib.nullcontext():
+            try:
                 got = transfer(
                     self.link,
                     send_to=self.buddy,
@@ -161,6 +163,9 @@ class Replicator:
                     target=target,
                     prepare=self._prepare(target) if target is not None else None,
                 )
+            finally:
+                with contextlib.suppress(OSError):
+                    self._reservation().unlink()
         if got is None:
             return
         self.reports.append(got)
@@ -183,12 +188,18 @@ class Replicator:
             need = [d for d in offer.sizes if not target.has_object(d)]
             if self.budget_bytes is not None:
                 adding = sum(offer.sizes[d] for d in need) + len(offer.manifest)
-                used = tree_bytes(self.mem_root)
-                if used + adding > self.budget_bytes:
-                    return [], (
-                        f"replica of {offer.run}@{offer.step} needs {adding} bytes; "
-                        f"{used} of the node's memory budget of {self.budget_bytes} are used"
-                    )
+                # The check and the reservation happen under a node-wide lock; the lock is
+                # not held during the transfer (the node's other ranks transfer meanwhile,
+                # and waiting for them would deadlock the ring).
+                with self._budget_lock():
+                    used = tree_bytes(self.mem_root) + self._reserved_by_others()
+                    if used + adding > self.budget_bytes:
+                        return [], (
+                            f"replica of {offer.run}@{offer.step} needs {adding} bytes; "
+                            f"{used} of the node's memory budget of {self.budget_bytes} "
+                            "are used"
+                        )
+                    self._reservation().write_text(str(adding))
             return need, None
 
         return prepare
@@ -202,6 +213,20 @@ class Replicator:
             # in flight: no grace period is needed.
             sweep(target, grace_seconds=0)
             log_event(self.events, run, "replica_evicted", steps=gone, source_rank=self.source)
+
+    def _reservation(self) -> Path:
+        return self.mem_root / "peers" / ".reserved" / f"rank{self.rank}"
+
+    def _reserved_by_others(self) -> int:
+        """Bytes other ranks of this node reserved for replicas they are receiving."""
+        total = 0
+        folder = self._reservation().parent
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in folder.iterdir():
+            if path != self._reservation():
+                with contextlib.suppress(OSError, ValueError):
+                    total += int(path.read_text())
+        return total
 
     @contextlib.contextmanager
     def _budget_lock(self) -> Iterator[None]:
