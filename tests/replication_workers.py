@@ -124,11 +124,12 @@ def task_budget(rank, world, mem, out, arg):
     from stepvault.distributed.replication import tree_bytes
 
     rep.budget_bytes = tree_bytes(mem) + 64  # room for nothing more than a few bytes
+    before = tree_bytes(mem / "peers")
     dist.barrier()  # both nodes have measured before either receives
     rep.replicate("r", 2)
     rep.wait()
     (out / f"usage{rank}.json").write_text(
-        json.dumps({"used": tree_bytes(mem), "budget": rep.budget_bytes})
+        json.dumps({"peers_before": before, "peers_after": tree_bytes(mem / "peers")})
     )
 
 

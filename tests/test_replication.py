@@ -54,7 +54,7 @@ def _peer(mem: Path, holder_node: str, source_node: str, local: int) -> Store:
     return Store.open(mem / holder_node / "peers" / source_node / f"rank{local}")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_wiped_node_resumes_bitwise_from_its_buddys_memory(tmp_path, world):
     mem, out = tmp_path / "mem", tmp_path / "out"
     _spawn(world, "train_save", mem, out)
@@ -87,7 +87,7 @@ def test_a_replica_over_the_memory_budget_is_skipped_and_says_so(tmp_path):
         peer = _peer(mem, holder, source, 0)
         assert peer.list_steps(rank_run("r", rank)) == [1]
         usage = json.loads((out / f"usage{1 - rank}.json").read_text())
-        assert usage["used"] <= usage["budget"]
+        assert usage["peers_after"] == usage["peers_before"]  # not a byte of the replica
         events = read_events(Store.open(mem / holder / "own"), rank_run("r", rank))
         skipped = [e for e in events if e["event"] == "replica_skipped"]
         assert [e["step"] for e in skipped] == [2]

@@ -74,7 +74,14 @@ def restore_from_memory(
             skipped=[s.step for s in skipped],
         )
         return None
-    info = restore(replicator.own, state, run=name, step=chosen, collective=False, workers=workers)
+    info = restore(
+        replicator.own,  # type: ignore[arg-type]  # a Store is accepted as a root
+        state,
+        run=name,
+        step=chosen,
+        collective=False,
+        workers=workers,
+    )
     assert info is not None  # an explicit step either loads or raises
     info.tier = tier
     info.skipped = skipped + info.skipped

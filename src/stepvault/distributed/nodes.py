@@ -114,8 +114,8 @@ def discover_layout(group: object | None = None) -> NodeLayout:
 
     lr = os.environ.get("LOCAL_RANK")
     mine = (node_id(), int(lr) if lr not in (None, "") else None)
-    gathered: list[tuple[str, int | None] | None] = [None] * dist.get_world_size(group)  # type: ignore[arg-type]
-    dist.all_gather_object(gathered, mine, group=group)  # type: ignore[arg-type]
+    gathered: list[tuple[str, int | None] | None] = [None] * dist.get_world_size(group)  # type: ignore[arg-type,unused-ignore]
+    dist.all_gather_object(gathered, mine, group=group)
     pairs = [g for g in gathered if g is not None]
     return NodeLayout.of([p[0] for p in pairs], [p[1] for p in pairs])
 

@@ -122,18 +122,23 @@ class Link:
     def recv(self, src: int) -> tuple[memoryview, bool]:
         """The next message from ``src`` and whether it was flagged last."""
         head = torch.empty(2, dtype=torch.int64)
-        dist.irecv(head, src, group=self.group).wait()
+        _wait(dist.irecv(head, src, group=self.group))
         n, last = int(head[0]), bool(head[1])
         body = torch.empty(n, dtype=torch.uint8)
         if n:
-            dist.irecv(body, src, group=self.group).wait()
-        return memoryview(body.numpy()).cast("B"), last
+            _wait(dist.irecv(body, src, group=self.group))
+        return memoryview(body.numpy().data).cast("B"), last
 
     def drain(self, keep: int = 0) -> None:
         """Wait until at most ``keep`` sends are still in flight."""
         while len(self._pending) > keep:
             work, _ = self._pending.pop(0)
             work.wait()
+
+
+def _wait(work: Any) -> None:
+    if work is not None:  # None only for ranks outside the group, which never call this
+        work.wait()
 
 
 def transfer(
