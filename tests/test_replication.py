@@ -115,7 +115,7 @@ def test_ring_and_buddy_map():
 
 @pytest.mark.slow
 def test_killed_during_replication_leaves_no_partial_replica(tmp_path):
-    """Random SIGKILLs while 2 ranks save and replicate 8 MB states (about 20 s)."""
+    """Random SIGKILLs while 2 ranks save and replicate 8 MB states (30-80 s here)."""
     rng = random.Random(16)
     for attempt in range(3):
         mem, out = tmp_path / f"mem{attempt}", tmp_path / f"out{attempt}"
