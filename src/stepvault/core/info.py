@@ -68,7 +68,8 @@ class RestoreInfo:
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
     seconds: float = 0.0
     bytes_read: int = 0
-    #: the tier that served most of the bytes ("mem", "hot", a cold tier...), when the
+    #: the tier that served most of the bytes ("mem", "hot", a cold tier...; "peer" when a
+    #: rank fetched its memory copy from its buddy node), when the
     #: restore read through a tiered view; ``tier_bytes``: bytes served per tier
     tier: str | None = None
     tier_bytes: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,107 @@
+"""Restore every rank from memory: its own node's, else its buddy node's.
+
+The restart after a node was replaced: the new node's memory is empty, but its ranks'
+checkpoints are still in the memory of their buddies (``distributed/replication.py``).
+All ranks agree (one all-gather of what each holds) on the newest step that *every* rank
+can get from its own memory or its buddy's; ranks that lack it fetch it from the buddy
+into their own memory store (every object hash-verified as it arrives, the manifest
+committed last), every rank verifies its copy completely, and only when all ranks verified
+does any rank change its training state. If no step works on every rank, the caller
+falls back to disk and object storage (``None`` is returned, and a ``restore_fallback``
+event says why).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import MutableMapping
+from typing import Any
+
+from ..catalog.events import log_event
+from ..distributed.replication import Replicator, rank_run
+from ..engine.reader import fetch_object
+from ..errors import CorruptObjectError, StepvaultError
+from ..format import parse_manifest
+from .info import RestoreInfo, SkippedCheckpoint
+from .restore import restore
+
+
+def restore_from_memory(
+    replicator: Replicator,
+    state: MutableMapping[str, Any],
+    *,
+    run: str,
+    workers: int | None = None,
+) -> RestoreInfo | None:
+    """Collective: load this rank's newest memory checkpoint of ``run`` that every rank can
+    get (own memory first, else the buddy's); None when there is none (use disk/S3).
+
+    ``RestoreInfo.tier`` is ``"mem"`` or ``"peer"``; the ``restore`` event in the own
+    store's log records the tier, the step and the seconds it took.
+    """
+    t0 = time.perf_counter()
+    me = replicator.rank
+    name = rank_run(run, me)
+    with replicator.paused():
+        held = replicator.holdings(run)
+        common = set(held[0]["own"]) | set(held[0]["peer"])
+        for doc in held[1:]:
+            common &= set(doc["own"]) | set(doc["peer"])
+        skipped: list[SkippedCheckpoint] = []
+        chosen: int | None = None
+        tier = "mem"
+        for step in sorted(common, reverse=True):
+            needs = [step not in doc["own"] for doc in held]
+            reason = None
+            try:
+                got = replicator.fetch(run, step, needs)
+                if got is not None and not got.committed:
+                    reason = got.skipped or "the replica could not be fetched"
+                else:
+                    _verify(replicator, name, step)
+            except StepvaultError as exc:
+                reason = str(exc)
+            if replicator.all_ok(reason is None):
+                chosen, tier = step, ("peer" if needs[me] else "mem")
+                break
+            skipped.append(SkippedCheckpoint(step=step, reason=reason or "failed on another rank"))
+    if chosen is None:
+        log_event(
+            replicator.events,
+            name,
+            "restore_fallback",
+            reason="no step in memory on every rank",
+            skipped=[s.step for s in skipped],
+        )
+        return None
+    info = restore(
+        replicator.own,  # type: ignore[arg-type]  # a Store is accepted as a root
+        state,
+        run=name,
+        step=chosen,
+        collective=False,
+        workers=workers,
+    )
+    assert info is not None  # an explicit step either loads or raises
+    info.tier = tier
+    info.skipped = skipped + info.skipped
+    info.seconds = time.perf_counter() - t0
+    log_event(
+        replicator.events, name, "restore", step=chosen, tier=tier, seconds=round(info.seconds, 6)
+    )
+    return info
+
+
+def _verify(replicator: Replicator, run: str, step: int) -> None:
+    """Read and hash every object of ``run@step`` in the own store (raises on damage)."""
+    store = replicator.own
+    manifest = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
+    for digest in manifest.objects:
+        try:
+            fetch_object(store, digest)
+        except CorruptObjectError:
+            store.quarantine_object(digest)  # never deduplicated into a later save
+            raise
+
+
+__all__ = ["restore_from_memory"]
