@@ -68,6 +68,10 @@ class RestoreInfo:
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
     seconds: float = 0.0
     bytes_read: int = 0
+    #: a light checkpoint was restored: base + decoded deltas, not the exact values
+    lossy: bool = False
+    #: the full checkpoint a light one was restored on top of
+    base_step: int | None = None
 
     @classmethod
     def of_manifest(
@@ -85,4 +89,6 @@ class RestoreInfo:
             skipped=skipped,
             seconds=seconds,
             bytes_read=m.logical_bytes,
+            lossy=m.light is not None,
+            base_step=int(m.light["base_step"]) if m.light is not None else None,
         )
