@@ -34,6 +34,7 @@ from ..engine.light_delta import (
     decode_light_delta,
     encode_light_delta,
 )
+from ..engine.staging import HostArray, to_host
 from ..errors import IntegrityError, StateMismatchError, StepvaultError
 from ..format import Manifest, TensorEntry, decode_value, parse_manifest
 from ..format.hashing import content_hash
@@ -151,7 +152,8 @@ def build_light(
             exact[name] = why
             continue
         new = value.detach().cpu()
-        entry: dict[str, Any] = {"dtype": str(new.dtype).removeprefix("torch."), "shape": list(new.shape)}
+        dtype = str(new.dtype).removeprefix("torch.")
+        entry: dict[str, Any] = {"dtype": dtype, "shape": list(new.shape)}
         if group and options.optimizer == "base":
             # Not written: the manifest names the base's own chunks (adopt_base_tensors),
             # which a bundle of this save could not deduplicate against.
@@ -326,3 +328,21 @@ def light_arrays(
         return snapshot.arrays
     arrays, manifest.light = built
     return arrays
+
+
+def light_host(
+    store: Store, manifest: Manifest, snapshot: Snapshot, options: LightOptions | None = None
+) -> dict[str, HostArray] | None:
+    """:func:`light_arrays` as host arrays that own their bytes (so the write may run in
+    the background while training changes the live tensors); None when the save became a
+    full one (``manifest.kind == "full"``: stage it like any full save)."""
+    arrays = light_arrays(store, manifest, snapshot, options)
+    if manifest.light is None:
+        return None
+    fresh = {n for n, e in manifest.light["tensors"].items() if e["encoding"] == "delta"}
+    out = {}
+    for name, value in arrays.items():
+        if name not in fresh:  # exact values still alias the live state: copy them
+            value = value.detach().clone() if isinstance(value, torch.Tensor) else value.copy()
+        out[name] = to_host(value)
+    return out

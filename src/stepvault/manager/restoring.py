@@ -33,7 +33,9 @@ class ManagerRestorer:
         """``(steps to try in order, may fall back)`` for ``step`` (rank 0's, shared)."""
         s = self.session
         if step == "latest":
-            chosen = choose_candidates(s.all_tier_records(), "latest")  # every tier's
+            chosen = choose_candidates(  # every tier's
+                s.all_tier_records(), "latest", light=s.options.resume_from_light
+            )
         elif step == "best":
             if not self.best:
                 raise ValueError(
@@ -62,7 +64,9 @@ class ManagerRestorer:
             s.event("restore", step=None, result="fresh start")
             return None
         try:
-            info = self._restore(state, candidates, fallback, strict, assign)
+            # an explicit step may be a light one; "latest"/"best" only when the manager says so
+            light = s.options.resume_from_light or not isinstance(step, str)
+            info = self._restore(state, candidates, fallback, strict, assign, light)
         except BaseException as exc:
             skipped = getattr(exc, "skipped", [])
             s.stats.restored(False, len(skipped))
@@ -87,6 +91,7 @@ class ManagerRestorer:
             skipped=[{"step": k.step, "reason": k.reason} for k in info.skipped],
             seconds=time.perf_counter() - t0,
             bytes_read=info.bytes_read,
+            **({"lossy": True, "base_step": info.base_step} if info.lossy else {}),
         )
         return info
 
@@ -97,6 +102,7 @@ class ManagerRestorer:
         fallback: bool,
         strict: bool,
         assign: bool = False,
+        light: bool = False,
     ) -> RestoreInfo:
         s = self.session
         if assign and s.scope.collective:
@@ -119,7 +125,12 @@ class ManagerRestorer:
         with restore_progress(self.progress, s.view, f"restore {s.run}") as report:
             planner.progress = report
             return planner.restore(
-                state, candidates, fallback=fallback, strict=strict, assign=assign
+                state,
+                candidates,
+                fallback=fallback,
+                strict=strict,
+                assign=assign,
+                light=light,
             )
 
     def _restore_collective(
