@@ -64,7 +64,7 @@ def test_zeros_and_unchanged_tensors_are_exact():
 def test_non_finite_values_are_refused_clearly(bad):
     base, new = torch.zeros(10), torch.zeros(10)
     new[3] = bad
-    with pytest.raises(ValueError, match="inf or nan.*store the tensor exactly"):
+    with pytest.raises(ValueError, match=r"inf or nan.*store the tensor exactly"):
         encode_light_delta(base, new)
     with pytest.raises(ValueError, match="inf or nan"):
         encode_light_delta(new, base)  # in the base as well
