@@ -148,8 +148,8 @@ def build_light(
             continue
         held = base.get(name)
         why = "not in the base" if held is None else check_encodable(held, value)
-        if why is not None:
-            exact[name] = why
+        if held is None or why is not None:
+            exact[name] = why or "not in the base"
             continue
         new = value.detach().cpu()
         dtype = str(new.dtype).removeprefix("torch.")
