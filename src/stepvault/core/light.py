@@ -8,7 +8,7 @@ Saving (:func:`build_light`): every float tensor of the modules (and, with
 reused, no new bytes) and its error against the exact value is recorded like a delta's.
 Everything else (ints, small tensors, inf/nan, plain values, RNG, scheduler) is stored
 exactly. The manifest's ``light`` section names the base and, per tensor, its encoding and
-measured error (FORMAT.md §7).
+measured error (FORMAT.md §12).
 
 Restoring (:func:`prepare_light`, then :func:`place_light`): the base is opened and
 verified too; a base that is gone, damaged or replaced since raises

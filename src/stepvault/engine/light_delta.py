@@ -5,7 +5,7 @@ per-block float32 scales and int8 (or packed int4) codes and measures the error 
 decoded result against ``new`` exactly as :func:`decode_light_delta` will rebuild it (in
 ``new``'s dtype, so the rounding of bfloat16/float16 is part of the measured error).
 
-Payload layout (FORMAT.md, "Light checkpoints"), for ``n`` elements and block size ``B``:
+Payload layout (FORMAT.md §12), for ``n`` elements and block size ``B``:
 ``ceil(n / B)`` little-endian float32 scales, then the codes: ``n`` int8 bytes (bits=8),
 or ``ceil(n / 2)`` bytes of two's-complement int4 nibbles, the low nibble holding the even
 element (bits=4). Element ``i`` decodes to ``base[i] + code[i] * scale[i // B]``, computed

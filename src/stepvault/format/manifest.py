@@ -27,7 +27,7 @@ from .objects import MAX_RAW_SIZE
 
 MANIFEST_FORMAT_VERSION = 1
 #: Envelope version of a light checkpoint's manifest (it has a ``light`` section, FORMAT.md
-#: §7): a reader of version 1 refuses it ("upgrade stepvault") instead of misreading it.
+#: §12): a reader of version 1 refuses it ("upgrade stepvault") instead of misreading it.
 LIGHT_MANIFEST_VERSION = 2
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 #: Manifests larger than this are refused (a manifest of 100k tensors is ~15 MB).
@@ -92,7 +92,7 @@ class Manifest:
     attachments: dict[str, AttachmentEntry] = field(default_factory=dict)
     #: table entries of the attachment objects, merged into ``objects`` when serialised
     attachment_objects: dict[str, ObjectEntry] = field(default_factory=dict, repr=False)
-    #: a light checkpoint's base and per-tensor encodings (FORMAT.md §7); None otherwise
+    #: a light checkpoint's base and per-tensor encodings (FORMAT.md §12); None otherwise
     light: dict[str, Any] | None = None
 
     @property
