@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- Model: `bench_incremental.TinyGpt` (vocab {VOCAB}, context {CTX}, width {WIDTH}, "
         f"{LAYERS} blocks, {params / 1e6:.2f} M parameters), AdamW lr 3e-3, batch {BATCH}, "
-        f"{args.steps} steps on a learnable synthetic sequence task (a permutation walk, 20 % random tokens); the batch of each step is "
-        "fixed, so runs differ only by what they restored.",
+        f"{args.steps} steps on a learnable synthetic sequence task (a permutation walk, "
+        "20 % random tokens); the batch of each step is fixed, so runs differ only by what "
+        "they restored.",
         "- Exact: `CheckpointManager(save=Every(steps=10))`, full checkpoints (model + AdamW). "
         "Light: `Every(steps=10, what='light') | Every(steps=100)` with the given "
         "`LightOptions`. New bytes = `SaveInfo.new_bytes` (objects the save added, after "
@@ -219,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         "like the weights.",
         "- Published figures, from the papers' abstracts: Check-N-Run (NSDI'22, "
         "recommendation models at Facebook) reduces write bandwidth 6-17x and capacity "
-        "2.5-8x, with differential checkpointing plus quantisation, \"without degrading "
+        '2.5-8x, with differential checkpointing plus quantisation, "without degrading '
         "training accuracy\"; ExCP (ICML'24) reaches ~70x compression on Pythia-410M "
-        "(residuals + joint weight-momentum pruning + non-uniform quantisation), \"nearly "
-        "lossless\". The light / exact column is our counterpart of those ratios "
+        '(residuals + joint weight-momentum pruning + non-uniform quantisation), "nearly '
+        'lossless". The light / exact column is our counterpart of those ratios '
         "(1 / ratio = compression factor); neither paper reports a per-tensor relative "
         "error in its abstract, so the error table has no published column to sit next to: "
         "their accuracy claims correspond to our resume gap.",
