@@ -15,6 +15,7 @@ from stepvault.errors import ManifestError, StoreVersionError
 from stepvault.format.dtypes import DTYPES
 from stepvault.format.encoding import Encoder
 from stepvault.format.manifest import (
+    LIGHT_MANIFEST_VERSION,
     MANIFEST_FORMAT_VERSION,
     MAX_MANIFEST_SIZE,
     Manifest,
@@ -240,7 +241,8 @@ def test_error_messages_name_the_manifest():
         parse_manifest(b"garbage", "exp1@12")
 
 
-@pytest.mark.parametrize("version", [MANIFEST_FORMAT_VERSION + 1, 99, 2**40])
+# version 2 is a light checkpoint's manifest (issue 17): the next one is refused
+@pytest.mark.parametrize("version", [LIGHT_MANIFEST_VERSION + 1, 99, 2**40])
 def test_newer_version(version):
     body = serialize_manifest(sample_manifest()).split(b"\n", 1)[1]
     with pytest.raises(StoreVersionError, match="upgrade stepvault"):

@@ -259,3 +259,26 @@ def test_a_kill_during_thinning_leaves_old_or_new_manifests(tmp_path):
     )
     assert set(kinds(store).values()) == {"full", "weights"} and kinds(store)[11] == "weights"
     assert result.thinned == [s for s in steps[:-1] if found[s] == "full"]
+
+
+def test_the_base_of_a_kept_light_checkpoint_is_never_thinned(tmp_path):
+    # Light checkpoints take their base's optimizer moments by default: a thinned base
+    # would leave them unable to resume, so the plan keeps it whole and says why.
+    m, opt = trained(512)
+    for step, kind in ((100, "full"), (110, "light"), (120, "light"), (200, "full"), (300, "full")):
+        train_step(m, opt)
+        state = {"model": m, "optimizer": opt, "step": step}
+        stepvault.save(tmp_path, state, run="r", step=step, kind=kind)
+    store = Store.open(tmp_path)
+    assert {r.step: r.base_step for r in checkpoint_records(store, "r")}[120] == 100
+    keep = KeepLast(5) | ThinAfter(steps=50)
+    result = apply_retention(
+        store, "r", keep, checkpoint_records(store, "r"), grace_seconds=0, now=time.time()
+    )
+    assert result.thinned == [200]  # 100 is due too, but it is the base of kept light ones
+    assert "keep whole @100: base of light @110" in str(result.plan)
+    assert kinds(store) == {100: "full", 110: "light", 120: "light", 200: "weights", 300: "full"}
+    m2, opt2 = trained(512, seed=1)
+    live = {"model": m2, "optimizer": opt2, "step": 0}
+    info = stepvault.restore(tmp_path, live, run="r", step=120)
+    assert info.lossy and info.base_step == 100

@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "Lineage": ".catalog.lineage",
     "fingerprint_files": ".catalog.lineage",
     "CheckpointManager": ".manager",
+    "LightOptions": ".core.light",
     "SaveHandle": ".manager",
     "usage": ".ops",
     "verify": ".ops",
@@ -97,6 +98,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .catalog.lineage import Lineage, fingerprint_files
     from .catalog.reader_holds import hold
     from .catalog.vault import Checkpoint, CheckpointSummary, Vault, parse_ref
+    from .core.light import LightOptions
     from .format.encoding import register_type, unregister_type
     from .manager import CheckpointManager, SaveHandle
     from .ops import usage, verify
@@ -134,6 +136,7 @@ __all__ = [
     "KeepWithin",
     "LastStep",
     "LeaseHeldError",
+    "LightOptions",
     "Lineage",
     "ModelVersion",
     "Registry",

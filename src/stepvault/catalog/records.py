@@ -121,16 +121,20 @@ def choose_candidates(
     *,
     best: tuple[str, str] | None = None,
     full_only: bool = True,
+    light: bool = False,
 ) -> Candidates:
     """What a restore of ``step`` tries, from the run's records (oldest first).
 
     ``"latest"``: newest first; with ``full_only`` only full checkpoints (unreadable ones
-    included, so that the restore reports them as skipped). ``"best"``: scored by
+    included, so that the restore reports them as skipped), and light ones too with
+    ``light`` (the restore takes one only if no full one is newer). ``"best"``: scored by
     ``best=(metric, mode)``, best first. An int: exactly that step, no fallback.
     """
     if step == "latest":
         steps = [
-            r.step for r in reversed(records) if not full_only or r.kind == "full" or not r.valid
+            r.step
+            for r in reversed(records)
+            if not full_only or r.kind == "full" or not r.valid or (light and r.kind == "light")
         ]
         return Candidates(steps, True)
     if step == "best":

@@ -44,6 +44,7 @@ FIELDS = (
     "stored_bytes",
     "new_bytes",
     "tensors",
+    "base_step",
 )
 
 
@@ -67,6 +68,7 @@ def summary_of(m: Manifest) -> dict[str, Any]:
         "stored_bytes": m.stored_bytes,
         "new_bytes": int(m.stats.get("new_bytes", 0)),
         "tensors": len(m.tensors),
+        "base_step": m.light["base_step"] if m.light else None,
     }
 
 

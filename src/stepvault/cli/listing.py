@@ -19,6 +19,7 @@ from typing import Any
 from rich.table import Table
 
 from .common import _emit_json, _time, console, err_console, human_bytes
+from .light import light_mark
 
 #: Rows shown by default (the newest); ``--limit 0`` shows every checkpoint.
 DEFAULT_LIMIT = 50
@@ -87,7 +88,7 @@ def list_checkpoints(
 
 
 def _metrics(s: Any) -> str:
-    return " ".join(f"{k}={v:.4g}" for k, v in s.metrics.items())
+    return light_mark(s) + " ".join(f"{k}={v:.4g}" for k, v in s.metrics.items())
 
 
 def _table(run: str, summaries: list[Any]) -> None:

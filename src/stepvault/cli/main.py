@@ -113,6 +113,9 @@ def show_cmd(
     from .attachments import print_attachments  # issue 19
 
     print_attachments(ckpt.store, m.run, m.step)
+    from .light import print_light  # issue 17: base and measured error
+
+    print_light(m.light)
     if tensors:
         table = Table("tensor", "dtype", "shape", "bytes", "chunks")
         for name, t in m.tensors.items():

@@ -73,6 +73,10 @@ class RestoreInfo:
     #: restore read through a tiered view; ``tier_bytes``: bytes served per tier
     tier: str | None = None
     tier_bytes: dict[str, int] = field(default_factory=dict)
+    #: a light checkpoint was restored: base + decoded deltas, not the exact values
+    lossy: bool = False
+    #: the full checkpoint a light one was restored on top of
+    base_step: int | None = None
 
     @classmethod
     def of_manifest(
@@ -90,4 +94,6 @@ class RestoreInfo:
             skipped=skipped,
             seconds=seconds,
             bytes_read=m.logical_bytes,
+            lossy=m.light is not None,
+            base_step=int(m.light["base_step"]) if m.light is not None else None,
         )

@@ -39,6 +39,7 @@ from ..state.assigning import mapped_tree
 from ..state.placement import place_and_materialize
 from ..store import Store, validate_run_name, validate_step
 from .info import RestoreInfo, SkippedCheckpoint
+from .light import place_light, prepare_light
 from .opened import OpenedCheckpoint, open_checkpoint
 from .scope import is_collective
 
@@ -89,35 +90,55 @@ class RestorePlanner:
         strict: bool = True,
         full_only: bool = False,
         assign: bool = False,
+        light: bool = False,
     ) -> RestoreInfo:
         """Restore the first of ``candidates`` that verifies (all tried if ``fallback``).
 
         ``full_only`` passes over weights-only checkpoints (they cannot restore a training
         state with an optimizer, step or RNG; they are not damaged, so not reported).
-        ``assign``: see :func:`restore`.
+        ``assign``: see :func:`restore`. ``light``: a light checkpoint may be restored (base +
+        decoded deltas, ``RestoreInfo.lossy``), but never one older than a full candidate
+        already tried; without it light ones are passed over (not reported).
         """
         t0 = time.perf_counter()
         skipped: list[SkippedCheckpoint] = []
         weights_only_steps: list[int] = []
+        seen_full = False
         for candidate in candidates:
+            prepared = None
             try:
                 opened = self._opened.pop(candidate, None) or open_checkpoint(
                     self.store, self.run, candidate, workers=self.workers
                 )
-                if full_only and opened.manifest.kind != "full":
-                    opened.release()
-                    weights_only_steps.append(candidate)
-                    continue
-                # A checkpoint that does not fit the live state is the caller's mistake,
-                # not damage: report it before reading a byte, and never fall back past it.
-                problems = validate(
-                    state, opened.meta_tree, opened.manifest.state_kinds, strict=strict
-                )
-                if problems:
-                    raise StateMismatchError(
-                        explain_weights_only(opened.manifest, list(state), problems)
+                if opened.manifest.kind == "light":
+                    if not light or seen_full:
+                        opened.release()
+                        continue
+                    # its base is opened and verified too: a damaged base is reported here
+                    prepared = prepare_light(
+                        self.store,
+                        opened,
+                        state,
+                        strict=strict,
+                        workers=self.workers,
+                        progress=self.progress,
                     )
-                opened.verify_all(self.progress)
+                else:
+                    seen_full = seen_full or opened.manifest.kind == "full"
+                    if full_only and opened.manifest.kind != "full":
+                        opened.release()
+                        weights_only_steps.append(candidate)
+                        continue
+                    # A checkpoint that does not fit the live state is the caller's mistake,
+                    # not damage: report it before reading a byte, and never fall back past it.
+                    problems = validate(
+                        state, opened.meta_tree, opened.manifest.state_kinds, strict=strict
+                    )
+                    if problems:
+                        raise StateMismatchError(
+                            explain_weights_only(opened.manifest, list(state), problems)
+                        )
+                    opened.verify_all(self.progress)
             except (IntegrityError, StoreVersionError) as exc:
                 reason = str(exc)
                 if isinstance(exc, CorruptObjectError) and exc.digest:
@@ -128,7 +149,10 @@ class RestorePlanner:
                 skipped.append(SkippedCheckpoint(candidate, reason))
                 continue
             # Every object is verified and the state fits: only now is live state touched.
-            place(opened, state, strict=strict, assign=assign)
+            if prepared is not None:
+                place_light(prepared, state, strict=strict, assign=assign)
+            else:
+                place(opened, state, strict=strict, assign=assign)
             return RestoreInfo.of_manifest(
                 opened.manifest, opened.metadata(), skipped, time.perf_counter() - t0
             )
@@ -194,6 +218,7 @@ def restore(
     collective: bool | None = None,
     assign: bool = False,
     progress: bool | ProgressFn | None = None,
+    resume_from_light: bool = False,
 ) -> RestoreInfo | None:
     """Load checkpoint ``run@step`` into the live objects of ``state``.
 
@@ -212,6 +237,10 @@ def restore(
     the store. Larger tensors and other codecs decode into fresh memory. Create optimizers
     after such a restore: the modules hold new parameter objects. Not for checkpoints
     written by several ranks.
+
+    A light checkpoint (lossy: ``RestoreInfo.lossy``) is restored when its step is given,
+    and by ``"latest"`` only with ``resume_from_light=True`` and no newer full checkpoint;
+    one whose base is damaged or gone is reported in ``skipped`` like a damaged one.
 
     ``progress``: a ``progress(done, total)`` callback (stored bytes fetched and verified),
     True for a bar on stderr, False for none; None (default) draws a bar when the store (or
@@ -261,6 +290,7 @@ def restore(
                 strict=strict,
                 full_only=full_only,
                 assign=assign,
+                light=resume_from_light,
             )
         explicit = validate_step(step)
         if planner.is_sharded(explicit):
@@ -268,7 +298,7 @@ def restore(
             return restore_collective(store, state, run, step, missing_ok, planner.workers)
         copies = with_copies(store, run, [explicit])  # the same step, any tier
         return planner.restore(
-            state, copies, fallback=len(copies) > 1, strict=strict, assign=assign
+            state, copies, fallback=len(copies) > 1, strict=strict, assign=assign, light=True
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._env import environment
@@ -25,6 +25,7 @@ from ..state.snapshot import Snapshot, take_snapshot
 from ..store import Store, validate_run_name, validate_step
 from ..store.signing import Signer
 from .info import SaveInfo
+from .light import LightOptions
 from .scope import current_rank, is_collective
 from .values import encode_metadata, encode_metrics
 
@@ -124,6 +125,7 @@ def write_manifest(
         overwrite=overwrite,
         workers=workers,
         known=parent_objects(store, manifest.run, manifest.parent_step, parent),
+        before_commit=_light_commit(store, manifest),
         after_commit=lambda m, data: record_commit(store, m, data),  # listings find it
     )
     return SaveInfo(
@@ -138,6 +140,15 @@ def write_manifest(
         seconds=stats.seconds,
         kind=manifest.kind,
     )
+
+
+def _light_commit(store: Store, manifest: Manifest) -> Callable[[], None] | None:
+    """What a light checkpoint does right before its commit: name the base's chunks."""
+    if manifest.light is None:
+        return None
+    from .light import adopt_base_tensors
+
+    return lambda: adopt_base_tensors(store, manifest)
 
 
 def save(
@@ -157,6 +168,7 @@ def save(
     lineage: Lineage | None = None,
     signer: Signer | None = None,
     attachments: Mapping[str, Any] | None = None,
+    light: LightOptions | None = None,
 ) -> SaveInfo:
     """Save ``state`` as checkpoint ``run@step`` in the store at ``root`` (created if absent).
 
@@ -167,6 +179,10 @@ def save(
     committed; a failed save leaves every earlier checkpoint intact.
 
     ``kind="weights"`` keeps only the modules of the state (for export or evaluation).
+    ``kind="light"`` stores the float tensors as quantised deltas against the run's newest
+    full checkpoint, lossy, with the measured error in the manifest (``light`` configures
+    it: :class:`stepvault.core.light.LightOptions`); without a full checkpoint yet it saves
+    a full one (``SaveInfo.kind`` and the event log say so).
     ``codec`` overrides the store's setting for this save: ``raw``, ``zstd``, ``float`` or
     ``auto``. With ``overwrite=True`` an existing checkpoint of the same step is replaced
     atomically (otherwise :class:`CheckpointExistsError`).
@@ -195,6 +211,11 @@ def save(
             lineage_digest = write_lineage(store, run, lineage)
         target = store
     if is_collective(state, collective):
+        if kind == "light":
+            raise ValueError(
+                "light checkpoints are not supported by multi-rank saves yet: save "
+                "kind='full' (or light checkpoints from one process)"
+            )
         from ..distributed.api import save_state
 
         if attachments:
@@ -216,7 +237,7 @@ def save(
         committed = target if isinstance(target, Store) else Store.open(target)
         m = parse_manifest(committed.read_manifest(run, step), f"{run}@{step}")
         return SaveInfo.of_manifest(m, time.perf_counter() - t0)
-    snapshot = take_snapshot(state, kind=kind)
+    snapshot = take_snapshot(state, kind="full" if kind == "light" else kind)
     manifest = new_manifest(
         run,
         step,
@@ -227,8 +248,13 @@ def save(
         metadata=metadata,
         lineage=lineage_digest,
     )
-    host = {name: to_host(value) for name, value in snapshot.arrays.items()}
     store = open_store_for_writing(target)
+    arrays = snapshot.arrays
+    if kind == "light":
+        from .light import light_arrays
+
+        arrays = light_arrays(store, manifest, snapshot, light)
+    host = {name: to_host(value) for name, value in arrays.items()}
     add_attachments(store, manifest, attachments)
     info = write_manifest(store, manifest, host, codec=codec, overwrite=overwrite, workers=workers)
     return dataclasses.replace(info, seconds=time.perf_counter() - t0)

@@ -26,6 +26,9 @@ from .hashing import content_hash
 from .objects import MAX_RAW_SIZE
 
 MANIFEST_FORMAT_VERSION = 1
+#: Envelope version of a light checkpoint's manifest (it has a ``light`` section, FORMAT.md
+#: §12): a reader of version 1 refuses it ("upgrade stepvault") instead of misreading it.
+LIGHT_MANIFEST_VERSION = 2
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 #: Manifests larger than this are refused (a manifest of 100k tensors is ~15 MB).
 MAX_MANIFEST_SIZE = 1 << 28
@@ -89,6 +92,8 @@ class Manifest:
     attachments: dict[str, AttachmentEntry] = field(default_factory=dict)
     #: table entries of the attachment objects, merged into ``objects`` when serialised
     attachment_objects: dict[str, ObjectEntry] = field(default_factory=dict, repr=False)
+    #: a light checkpoint's base and per-tensor encodings (FORMAT.md §12); None otherwise
+    light: dict[str, Any] | None = None
 
     @property
     def logical_bytes(self) -> int:
@@ -129,6 +134,7 @@ class Manifest:
                 if self.attachments
                 else {}
             ),
+            **({"light": self.light} if self.light is not None else {}),
         }
 
 
@@ -137,7 +143,7 @@ def serialize_manifest(manifest: Manifest) -> bytes:
     body = json.dumps(manifest.to_json(), separators=(",", ":"), allow_nan=False).encode()
     envelope = {
         "format": "stepvault-manifest",
-        "version": MANIFEST_FORMAT_VERSION,
+        "version": MANIFEST_FORMAT_VERSION if manifest.light is None else LIGHT_MANIFEST_VERSION,
         "body_blake3": content_hash(body),
         "body_size": len(body),
     }
@@ -160,10 +166,10 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise ManifestError(f"{where}: not a stepvault manifest (format {fmt!r})")
     if type(version) is not int or version < 1:
         raise ManifestError(f"{where}: damaged manifest envelope (version {version!r})")
-    if version > MANIFEST_FORMAT_VERSION:
+    if version > LIGHT_MANIFEST_VERSION:
         raise StoreVersionError(
             f"{where}: manifest version {version!r} is newer than this stepvault reads "
-            f"({MANIFEST_FORMAT_VERSION}); upgrade stepvault"
+            f"({LIGHT_MANIFEST_VERSION}); upgrade stepvault"
         )
     if env.get("body_size") != len(body):
         raise ManifestError(
@@ -271,7 +277,23 @@ def _from_json(doc: dict[str, Any]) -> Manifest:
         sharded=sharded,
         lineage=lineage,
         attachments=parse_attachments(doc.get("attachments"), objects),
+        light=_check_light(doc.get("light"), tensors),
     )
+
+
+def _check_light(light: Any, tensors: dict[str, TensorEntry]) -> dict[str, Any] | None:
+    """The ``light`` section, schema-checked (its encodings are checked when decoded)."""
+    if light is None:
+        return None
+    if type(light) is not dict or type(light.get("tensors")) is not dict:
+        raise ManifestError("light section must hold a 'tensors' object")
+    _int(light.get("base_step"), "light base_step")
+    for name, e in light["tensors"].items():
+        if name not in tensors or type(e) is not dict:
+            raise ManifestError(f"light entry {name!r} names no tensor of the manifest")
+        if e.get("encoding") not in ("delta", "base"):
+            raise ManifestError(f"light entry {name!r}: unknown encoding {e.get('encoding')!r}")
+    return light
 
 
 def _check_sharded(sharded: Any, objects: dict[str, ObjectEntry]) -> None:

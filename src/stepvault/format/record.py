@@ -31,6 +31,8 @@ class CheckpointRecord:
     new_bytes: int = 0
     tensors: int = 0
     error: str | None = None
+    #: the full checkpoint a light one is a delta against (None for other kinds)
+    base_step: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

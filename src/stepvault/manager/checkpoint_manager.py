@@ -25,6 +25,7 @@ from ..catalog.events import read_events
 from ..catalog.lineage import Lineage
 from ..catalog.vault import Vault
 from ..core.info import RestoreInfo, SaveInfo
+from ..core.light import LightOptions
 from ..core.write import open_store_for_writing
 from ..engine.background import BackgroundWriter
 from ..engine.gc import DEFAULT_GRACE_SECONDS
@@ -113,6 +114,10 @@ class CheckpointManager:
             (every rank calls ``save``). ``False`` makes it rank-local: for trainers that
             save a replicated (DDP) model from rank 0 only (Lightning, the HF Trainer);
             sharded DTensor state is then refused.
+        light: how light saves (``what="light"`` in the save policy, or
+            ``save(kind="light")``) encode the state: a :class:`~stepvault.LightOptions`.
+        resume_from_light: let ``restore("latest")`` take a light checkpoint (lossy:
+            ``info.lossy``) when it is newer than every full one (default: full ones only).
     """
 
     def __init__(
@@ -141,6 +146,8 @@ class CheckpointManager:
         staging_memory: int | str | None = None,
         mem_budget: int | str | None = None,
         mem_cleanup: bool = True,
+        light: LightOptions | None = None,
+        resume_from_light: bool = False,
     ) -> None:
         # Every option is checked here, before the store is touched.
         self.options = opts = ManagerOptions(
@@ -158,6 +165,8 @@ class CheckpointManager:
             staging_memory=staging_memory,
             mem_budget=mem_budget,
             mem_cleanup=mem_cleanup,
+            light=light,
+            resume_from_light=resume_from_light,
         )
         self.run = validate_run_name(run)
         self.save_policy: SavePolicy = save if save is not None else _SaveAlways()

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from ..core.light import LightOptions
 from ..core.write import check_codec
 from ..engine.gc import DEFAULT_GRACE_SECONDS
 from ..policy.validate import non_negative_real, positive_int, positive_real
@@ -63,10 +64,16 @@ class ManagerOptions:
     mem_budget: int | str | None = None
     #: remove the mem tier when the manager closes normally
     mem_cleanup: bool = True
+    #: how light saves encode the state (None: the defaults of LightOptions)
+    light: LightOptions | None = None
+    #: restore("latest") may take a light checkpoint newer than every full one
+    resume_from_light: bool = False
 
     def __post_init__(self) -> None:
         if self.mem_budget is not None:
             object.__setattr__(self, "mem_budget", parse_size("mem_budget", self.mem_budget))
+        if self.light is not None and not isinstance(self.light, LightOptions):
+            raise ValueError(f"light= must be a stepvault.LightOptions, got {self.light!r}")
         if self.staging_memory is not None:  # stored as bytes
             object.__setattr__(
                 self, "staging_memory", parse_size("staging_memory", self.staging_memory)

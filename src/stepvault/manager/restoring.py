@@ -33,7 +33,9 @@ class ManagerRestorer:
         """``(steps to try in order, may fall back)`` for ``step`` (rank 0's, shared)."""
         s = self.session
         if step == "latest":
-            chosen = choose_candidates(s.all_tier_records(), "latest")  # every tier's
+            chosen = choose_candidates(  # every tier's
+                s.all_tier_records(), "latest", light=s.options.resume_from_light
+            )
         elif step == "best":
             if not self.best:
                 raise ValueError(
@@ -65,7 +67,9 @@ class ManagerRestorer:
         if reset is not None:
             reset()  # the view counts bytes per tier: which one the restore came from
         try:
-            info = self._restore(state, candidates, fallback, strict, assign)
+            # an explicit step may be a light one; "latest"/"best" only when the manager says so
+            light = s.options.resume_from_light or not isinstance(step, str)
+            info = self._restore(state, candidates, fallback, strict, assign, light)
         except BaseException as exc:
             skipped = getattr(exc, "skipped", [])
             s.stats.restored(False, len(skipped))
@@ -95,6 +99,7 @@ class ManagerRestorer:
             bytes_read=info.bytes_read,
             tier=info.tier,
             tier_bytes=info.tier_bytes,
+            **({"lossy": True, "base_step": info.base_step} if info.lossy else {}),
         )
         return info
 
@@ -105,6 +110,7 @@ class ManagerRestorer:
         fallback: bool,
         strict: bool,
         assign: bool = False,
+        light: bool = False,
     ) -> RestoreInfo:
         s = self.session
         if assign and s.scope.collective:
@@ -127,7 +133,12 @@ class ManagerRestorer:
         with restore_progress(self.progress, s.view, f"restore {s.run}") as report:
             planner.progress = report
             return planner.restore(
-                state, candidates, fallback=fallback, strict=strict, assign=assign
+                state,
+                candidates,
+                fallback=fallback,
+                strict=strict,
+                assign=assign,
+                light=light,
             )
 
     def _restore_collective(

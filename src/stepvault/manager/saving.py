@@ -20,6 +20,7 @@ import torch
 
 from ..catalog.attachments import add_attachments
 from ..core.info import SaveInfo
+from ..core.light import light_host
 from ..core.values import encode_metrics
 from ..core.write import new_manifest, write_manifest
 from ..engine import to_host
@@ -100,7 +101,9 @@ class LocalWriter:
         t0 = time.perf_counter()
         try:
             s.scope.check_state(state)
-            snapshot = take_snapshot(state, kind=decision.kind)
+            # a light save starts from the whole state (core.light picks what becomes deltas)
+            full = "full" if decision.kind == "light" else decision.kind
+            snapshot = take_snapshot(state, kind=full)
             manifest = new_manifest(
                 s.run,
                 step,
@@ -112,9 +115,14 @@ class LocalWriter:
                 lineage=s.lineage_ref(),
             )
             add_attachments(s.store, manifest, attachments)  # small files, written now
-            background_wanted = background
-            area = self._area(step, snapshot.arrays) if background else None
-            if area is not None:
+            light = None
+            if decision.kind == "light":
+                light = light_host(s.store, manifest, snapshot, s.options.light)
+            background_wanted = background and light is None
+            area = self._area(step, snapshot.arrays) if background_wanted else None
+            if light is not None:
+                host = light  # own copies: the write may still run in the background
+            elif area is not None:
                 try:
                     host = area.stage(snapshot.arrays)
                 except BaseException:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Literal
 
@@ -218,7 +218,8 @@ class KeepEvery(_Rule):
 class KeepWithin(_Rule):
     """Keep every valid checkpoint created within a window before ``now``
     (``created >= now - window``). Give exactly one of ``seconds``, ``minutes``,
-    ``hours``, ``days``."""
+    ``hours``, ``days``. With ``kind`` only checkpoints of that kind are kept, e.g.
+    ``KeepWithin(days=7, kind="light")`` expires light checkpoints after a week."""
 
     def __init__(
         self,
@@ -227,7 +228,11 @@ class KeepWithin(_Rule):
         minutes: float | None = None,
         hours: float | None = None,
         days: float | None = None,
+        kind: str | None = None,
     ) -> None:
+        if kind is not None and not isinstance(kind, str):
+            raise ValueError(f"kind= must be a string or None, got {kind!r}")
+        self._kind = kind
         given = exactly_one(seconds=seconds, minutes=minutes, hours=hours, days=days)
         if len(given) != 1:
             got = ", ".join(f"{k}=" for k in given) if given else "none"
@@ -248,13 +253,20 @@ class KeepWithin(_Rule):
         cutoff = now - self._window
         plural = "" if self._value == 1 else "s"
         reason = f"within {num(self._value)} {self._unit[:-1]}{plural}"
-        return {r.step: reason for r in records if r.valid and r.created >= cutoff}
+        if self._kind is not None:
+            reason += f" {self._kind}"
+        return {
+            r.step: reason
+            for r in records
+            if r.valid and r.created >= cutoff and (self._kind is None or r.kind == self._kind)
+        }
 
     def _key(self) -> tuple[object, ...]:
-        return (self._window,)
+        return (self._window, self._kind)
 
     def __repr__(self) -> str:
-        return f"KeepWithin({self._unit}={num(self._value)})"
+        kind = "" if self._kind is None else f", kind={self._kind!r}"
+        return f"KeepWithin({self._unit}={num(self._value)}{kind})"
 
 
 class KeepPeriodic(_Rule):
@@ -341,6 +353,8 @@ def plan_retention(
     * pinned (``"pinned"``; this keeps even a damaged record),
     * the newest valid checkpoint of kind ``"full"``
       (``"newest valid checkpoint (needed to resume)"``),
+    * the base of a kept light checkpoint (``"base of light @N"``: a light checkpoint is a
+      delta against it and unusable without it),
     * the best valid checkpoint by one of ``best_metrics``, ``(metric, mode)`` pairs
       (``"current best by val_loss"``). ``None`` (the default) means the pairs of every
       :class:`KeepBest` inside ``policy``, see :func:`tracked_metrics`.
@@ -396,6 +410,8 @@ def plan_retention(
         if ranked:
             add(ranked[0].step, _best_label(metric, mode, ambiguous))
 
+    _keep_light_bases(ordered, reasons, add)
+
     entries = []
     for record in ordered:
         kept = reasons[record.step]
@@ -405,3 +421,21 @@ def plan_retention(
             why = NO_RULE_REASON if record.valid else DAMAGED_REASON
             entries.append(RetentionEntry(record.step, False, [why]))
     return RetentionPlan(entries)
+
+
+def _keep_light_bases(
+    ordered: list[CheckpointRecord],
+    reasons: dict[int, list[str]],
+    add: Callable[[int, str], None],
+) -> None:
+    """Keep the valid base of every kept light checkpoint, naming the newest that needs it
+    (and how many more do): last, so that every other reason has been decided."""
+    valid = {r.step for r in ordered if r.valid}
+    needing: dict[int, list[int]] = {}
+    for record in ordered:
+        base = record.base_step
+        if record.kind == "light" and reasons[record.step] and base in valid:
+            needing.setdefault(base, []).append(record.step)
+    for base, lights in needing.items():
+        more = f" and {len(lights) - 1} more" if len(lights) > 1 else ""
+        add(base, f"base of light @{lights[-1]}{more}")

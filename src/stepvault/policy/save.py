@@ -35,8 +35,8 @@ __all__ = [
     "merge_decisions",
 ]
 
-SaveKind = Literal["full", "weights"]
-_KINDS: tuple[str, ...] = ("full", "weights")
+SaveKind = Literal["full", "weights", "light"]
+_KINDS: tuple[str, ...] = ("full", "weights", "light")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -44,7 +44,7 @@ _KINDS: tuple[str, ...] = ("full", "weights")
 
 def _check_kind(what: str) -> str:
     if what not in _KINDS:
-        raise ValueError(f"what= must be 'full' or 'weights', got {what!r}")
+        raise ValueError(f"what= must be 'full', 'weights' or 'light', got {what!r}")
     return what
 
 
@@ -105,8 +105,9 @@ class Every(SavePolicy):
       what bounds lost work is the time since *a* checkpoint) or, before any save, after
       the first step boundary this rule saw.
 
-    ``what`` is the kind of checkpoint: ``"full"`` (whole training state) or
-    ``"weights"`` (modules only).
+    ``what`` is the kind of checkpoint: ``"full"`` (whole training state),
+    ``"weights"`` (modules only) or ``"light"`` (lossy deltas against the newest full one,
+    e.g. ``Every(steps=10, what="light") | Every(steps=1000)``).
     """
 
     def __init__(

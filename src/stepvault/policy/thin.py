@@ -110,7 +110,7 @@ def thin_candidates(
 ) -> dict[int, tuple[str, str]]:
     """Kept checkpoints a :class:`ThinAfter` rule of ``policy`` is due for: ``step ->
     (rule, why_not)``, ``why_not`` empty (thin it) or the reason it stays whole (newest
-    full, pinned). Only valid
+    full, pinned, the base of a kept light checkpoint). Only valid
     ``"full"`` checkpoints that ``plan`` keeps are considered (a deleted one goes anyway).
     """
     rules = thin_rules(policy)
@@ -130,6 +130,12 @@ def thin_candidates(
     kept = set(plan.keep)
     full = [r for r in ordered if r.valid and r.kind == "full"]
     newest_full = full[-1].step if full else None
+    # A kept light checkpoint restores on top of its base, and by default takes the base's
+    # optimizer moments: thinning that base would leave the light one unable to resume.
+    light_bases: dict[int, int] = {}
+    for r in ordered:
+        if r.step in kept and r.kind == "light" and r.base_step is not None:
+            light_bases.setdefault(r.base_step, r.step)
     out: dict[int, tuple[str, str]] = {}
     for record in full:
         if record.step not in kept:
@@ -142,5 +148,7 @@ def thin_candidates(
             why_not = NEWEST_FULL_REASON
         elif record.pinned:
             why_not = PINNED_THIN_REASON
+        elif record.step in light_bases:
+            why_not = f"base of light @{light_bases[record.step]}"
         out[record.step] = (repr(due[0]), why_not)
     return out
