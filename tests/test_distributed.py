@@ -183,6 +183,7 @@ def test_manager_with_ddp_on_every_rank(tmp_path):
     assert events.count("save") == 3 and events.count("delete") == 1  # logged once, by rank 0
     saves = [e for e in log if e["event"] == "save"]
     assert all(e["asynchronous"] and e["world_size"] == 2 for e in saves)  # DCP async_save
+    assert all(e["kind"] == "full" for e in saves) and events.count("light_as_full") == 3
     assert all(e["stall_seconds"] < e["write_seconds"] for e in saves)
     assert stepvault.verify(tmp_path / "store", deep=True).ok
     # and a single process can read the DDP checkpoint as a full state dict

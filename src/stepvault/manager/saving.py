@@ -221,7 +221,11 @@ class CollectiveWriter:
             )
         background = background and self.async_saver is not None
         t0 = time.perf_counter()
-        part = weights_only(state) if decision.kind == "weights" else state
+        kind = decision.kind
+        if kind == "light":  # light deltas are built by one process: a sharded save is full
+            kind = "full"
+            s.event("light_as_full", step=step, reason="multi-rank saves are always full")
+        part = weights_only(state) if kind == "weights" else state
         args: dict[str, Any] = dict(
             run=s.run,
             step=step,
@@ -253,7 +257,7 @@ class CollectiveWriter:
                     s.failed(step, exc)
                     raise
             m = parse_manifest(s.store.read_manifest(s.run, step), f"{s.run}@{step}")
-            info = SaveInfo.of_manifest(m, time.perf_counter() - t0, decision.kind)
+            info = SaveInfo.of_manifest(m, time.perf_counter() - t0, kind)
             return info, {"world_size": torch.distributed.get_world_size()}
 
         return Staged(stall, background, commit, started=t0)
