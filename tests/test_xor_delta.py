@@ -20,7 +20,7 @@ from stepvault.format.codecs import choose_codec
 from stepvault.format.encoding import torch_dtype_name
 from stepvault.format.hashing import content_hash
 from stepvault.format.objects import decode_object, encode_object, frame_object, parse_header
-from stepvault.format.xor_codec import MissingBaseError, chain_limit, encode_xor
+from stepvault.format.xor_codec import MissingBaseError, chain_limit, chain_of, encode_xor
 from stepvault.store import Store
 from stepvault.tiers import Tiers, TierSpec, add_tier, copy_checkpoint
 from stepvault.tiers.config import TierError
@@ -303,4 +303,26 @@ def test_a_byte_for_byte_copy_that_reuses_deltas_lists_their_bases(tmp_path):
     ck2 = stepvault.open(cold).checkpoint("fork", 3)
     got = {k: ck2.tensor(k) for k in ck2.tensor_names()}
     # ...but no base it needs (names gain the "state/" prefix of the fork's save)
+    assert same(got, {f"state/{k.replace('/', '%2F')}": v for k, v in same_state.items()})
+
+
+def test_a_save_straight_into_a_delta_tier_lists_the_bases_it_reuses(tmp_path):
+    hot, tiers = stores(tmp_path, "xor")
+    cold = tiers["cold"]
+    save_run(hot, tiers, 3)
+    # The same state as r@3 saved straight into the cold tier's store (not a tier copy):
+    # its chunks are r@3's delta objects there, reused by content hash.
+    ck = stepvault.open(hot).checkpoint("r", 3)
+    same_state = {k: ck.tensor(k) for k in ck.tensor_names()}
+    stepvault.save(tmp_path / "cold", {"state": same_state}, run="direct", step=1)
+    direct = parse_manifest(cold.read_manifest("direct", 1), "direct@1").objects
+    deltas = [d for d, e in direct.items() if e.codec == "xor"]
+    assert deltas  # the save did reuse deltas...
+    chain = {h for d in deltas for h in chain_of(parse_header(cold.read_object(d)).params)}
+    assert chain and chain <= set(direct)  # ...and its table lists every base they need
+    for s in cold.list_steps("r"):
+        cold.delete_manifest("r", s)
+    assert sweep(cold, grace_seconds=0).deleted
+    ck2 = stepvault.open(cold).checkpoint("direct", 1)
+    got = {k: ck2.tensor(k) for k in ck2.tensor_names()}
     assert same(got, {f"state/{k.replace('/', '%2F')}": v for k, v in same_state.items()})

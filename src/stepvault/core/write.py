@@ -125,7 +125,7 @@ def write_manifest(
         overwrite=overwrite,
         workers=workers,
         known=parent_objects(store, manifest.run, manifest.parent_step, parent),
-        before_commit=_light_commit(store, manifest),
+        before_commit=_before_commit(store, manifest),
         after_commit=lambda m, data: record_commit(store, m, data),  # listings find it
     )
     return SaveInfo(
@@ -140,6 +140,21 @@ def write_manifest(
         seconds=stats.seconds,
         kind=manifest.kind,
     )
+
+
+def _before_commit(store: Store, manifest: Manifest) -> Callable[[], None]:
+    """Right before the commit: a light checkpoint names its base's chunks, then every
+    reused delta object's bases are listed (so GC keeps them)."""
+    light = _light_commit(store, manifest)
+
+    def run() -> None:
+        from ..tiers.delta_copy import list_delta_bases
+
+        if light is not None:
+            light()
+        list_delta_bases(store, manifest)
+
+    return run
 
 
 def _light_commit(store: Store, manifest: Manifest) -> Callable[[], None] | None:

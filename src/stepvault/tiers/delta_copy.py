@@ -46,6 +46,23 @@ def object_entry(store: Store, digest: str) -> ObjectEntry:
     return ObjectEntry(head.codec, store.object_size(digest), head.raw_size)
 
 
+def list_delta_bases(store: Store, manifest: Manifest) -> None:
+    """Add to ``manifest``'s object table the base chain of every delta object it names.
+
+    A save straight into a store that holds deltas (a cold tier written to directly)
+    reuses them by content hash like any object; listing their bases is what makes GC
+    keep those bases. The writer knows each reused object's codec (from the parent's table
+    or the object's header), so a store without deltas costs nothing here.
+    """
+    for digest, entry in list(manifest.objects.items()):
+        if entry.codec != XOR_ID:
+            continue
+        for h in chain_of(read_header(store, digest).params):
+            if h not in manifest.objects:
+                manifest.objects[h] = object_entry(store, h)
+                store.touch_object(h)  # in use again: GC's grace period covers the save
+
+
 def _previous(dst: Store, run: str, step: int) -> Manifest | None:
     older = [s for s in dst.list_steps(run) if s < step]
     if not older:
