@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -341,12 +342,18 @@ def test_cli_tier_views_and_usage(tmp_path):
     assert res.exit_code == 0 and "archive" in res.output
 
 
-def test_cli_tier_older_than_moves_only_aged_checkpoints(tmp_path):
+def test_cli_tier_older_than_moves_only_aged_checkpoints(tmp_path, monkeypatch):
     hot, cold = tmp_path / "hot", tmp_path / "c"
     for step in (1, 2):
         stepvault.save(hot, {"model": model(step)}, run="r", step=step)
     time.sleep(1.2)
+    before_3 = time.time()
     stepvault.save(hot, {"model": model(3)}, run="r", step=3)
+    # The CLI's clock reads 0.6 s after step 3 began, however long the commands below take
+    # on a loaded machine: "older than 1s" then means saved before before_3 - 0.4.
+    import stepvault.cli.tiers as cli_tiers
+
+    monkeypatch.setattr(cli_tiers, "time", types.SimpleNamespace(time=lambda: before_3 + 0.6))
     runner = CliRunner()
     res = runner.invoke(app, ["--root", str(hot), "tiers", "add", "archive", str(cold)])
     assert res.exit_code == 0, res.output
