@@ -28,7 +28,8 @@ class LeaseHeldError(StepvaultError):
     """Another live writer holds the run's lease."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -96,7 +97,7 @@ def is_stale(record: dict[str, Any], now: float | None = None) -> bool:
         return True
     same_host = record.get("host") == socket.gethostname()
     pid = record.get("pid")
-    return bool(same_host and isinstance(pid, int) and not _pid_alive(pid))
+    return bool(same_host and isinstance(pid, int) and not pid_alive(pid))
 
 
 def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_AFTER) -> Lease:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from .lease import _pid_alive
+from .lease import pid_alive
 from .names import validate_run_name, validate_step
 from .repository import Store
 
@@ -60,7 +60,7 @@ class HoldRecord:
         if now >= self.expires:
             return True
         dead = self.pid is not None and self.host == socket.gethostname()
-        return bool(dead and not _pid_alive(self.pid))  # type: ignore[arg-type]
+        return bool(dead and not pid_alive(self.pid))  # type: ignore[arg-type]
 
     def describe(self, now: float | None = None) -> str:
         """``held by reader eval (pid 12@host, 59 min left)``: the reason a plan shows."""

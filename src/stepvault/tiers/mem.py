@@ -30,6 +30,7 @@ from typing import Any
 from ..engine.gc import sweep
 from ..errors import StepvaultError
 from ..store import LocalBackend, Store
+from ..store.lease import pid_alive
 
 MEM = "mem"
 MEM_ROOT_ENV = "STEPVAULT_MEM_ROOT"
@@ -234,16 +235,6 @@ class MemTierInfo:
         }
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _staleness(owner: dict[str, Any], steps: list[int]) -> tuple[bool, str]:
     """The reclaim rule (STORAGE.md): a mem tier is stale when its owner process is gone
     (same host, pid dead) and either its hot store is gone, its run finished (no writer
@@ -252,7 +243,7 @@ def _staleness(owner: dict[str, Any], steps: list[int]) -> tuple[bool, str]:
     pid, host = owner.get("pid"), owner.get("host")
     if host != socket.gethostname():
         return False, "owned by another host"
-    if isinstance(pid, int) and _pid_alive(pid):
+    if isinstance(pid, int) and pid_alive(pid):
         return False, f"owner pid {pid} is alive"
     hot_url, run = owner.get("hot"), owner.get("run")
     try:
