@@ -19,11 +19,9 @@ from typing import Any
 
 from ..catalog.events import log_event
 from ..distributed.replication import Replicator, rank_run
-from ..engine.reader import fetch_object
 from ..errors import CorruptObjectError, StepvaultError
-from ..format import parse_manifest
 from .info import RestoreInfo, SkippedCheckpoint
-from .restore import restore
+from .restore import RestorePlanner
 
 
 def restore_from_memory(
@@ -42,6 +40,8 @@ def restore_from_memory(
     t0 = time.perf_counter()
     me = replicator.rank
     name = rank_run(run, me)
+    # One planner: the objects hashed while the ranks agree are the ones placed (no second read).
+    planner = RestorePlanner(replicator.own, name, workers=workers)
     with replicator.paused():
         held = replicator.holdings(run)
         common = set(held[0]["own"]) | set(held[0]["peer"])
@@ -58,12 +58,13 @@ def restore_from_memory(
                 if got is not None and not got.committed:
                     reason = got.skipped or "the replica could not be fetched"
                 else:
-                    _verify(replicator, name, step)
+                    _verify(planner, step)
             except StepvaultError as exc:
                 reason = str(exc)
             if replicator.all_ok(reason is None):
                 chosen, tier = step, ("peer" if needs[me] else "mem")
                 break
+            planner.forget(step)  # its verified bytes are not needed any more
             skipped.append(SkippedCheckpoint(step=step, reason=reason or "failed on another rank"))
     if chosen is None:
         log_event(
@@ -74,15 +75,7 @@ def restore_from_memory(
             skipped=[s.step for s in skipped],
         )
         return None
-    info = restore(
-        replicator.own,  # type: ignore[arg-type]  # a Store is accepted as a root
-        state,
-        run=name,
-        step=chosen,
-        collective=False,
-        workers=workers,
-    )
-    assert info is not None  # an explicit step either loads or raises
+    info = planner.restore(state, [chosen], fallback=False)
     info.tier = tier
     info.skipped = skipped + info.skipped
     info.seconds = time.perf_counter() - t0
@@ -92,16 +85,17 @@ def restore_from_memory(
     return info
 
 
-def _verify(replicator: Replicator, run: str, step: int) -> None:
-    """Read and hash every object of ``run@step`` in the own store (raises on damage)."""
-    store = replicator.own
-    manifest = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
-    for digest in manifest.objects:
-        try:
-            fetch_object(store, digest)
-        except CorruptObjectError:
-            store.quarantine_object(digest)  # never deduplicated into a later save
-            raise
+def _verify(planner: RestorePlanner, step: int) -> None:
+    """Read and hash every object of ``step`` in the own store (raises on damage); the
+    planner keeps them for the restore."""
+    opened = planner.open(step)
+    try:
+        opened.verify_all()
+    except CorruptObjectError as exc:
+        if exc.digest:
+            planner.store.quarantine_object(exc.digest)  # never deduplicated into a later save
+        planner.forget(step)
+        raise
 
 
 __all__ = ["restore_from_memory"]

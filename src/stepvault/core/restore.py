@@ -73,6 +73,12 @@ class RestorePlanner:
             )
         return opened
 
+    def forget(self, step: int) -> None:
+        """Drop ``run@step`` (and the verified bytes its reader holds)."""
+        opened = self._opened.pop(step, None)
+        if opened is not None:
+            opened.release()
+
     def is_sharded(self, step: int) -> bool:
         """Whether ``step`` was written by several ranks; False when it cannot be opened
         (damaged or absent: restoring it reports that, and falls back)."""
