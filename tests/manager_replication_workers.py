@@ -1,0 +1,90 @@
+"""Rank tasks for the manager's replicated mem tier (run by ``replication_workers.run``
+as ``"manager_replication_workers:TASK"``; each rank simulates its node there)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from replication_workers import flat, make_state, train_step
+
+from stepvault import CheckpointManager
+from stepvault.tiers import CopyEvery
+
+
+# Data-parallel training: every rank holds the same replicated state (a DCP save on disk
+# keeps one copy of a replicated tensor, so per-rank values would not survive it).
+def _state(fresh: bool = False) -> dict:
+    return make_state(0, fresh=fresh)
+
+
+def _train(state: dict, step: int) -> None:
+    train_step(state, 0, step)
+
+
+def _manager(mem: Path, out: Path) -> CheckpointManager:
+    os.environ["STEPVAULT_MEM_ROOT"] = str(mem)  # this rank's node memory
+    return CheckpointManager(
+        out / "hot",
+        "r",
+        tiers={"mem": True},
+        replicate=True,
+        tier_policy=CopyEvery("hot", steps=3),  # disk every 3rd save; the rest in memory
+        lineage=False,
+    )
+
+
+def _report(rank: int, out: Path, name: str, doc: object) -> None:
+    (out / f"{name}{rank}.json").write_text(json.dumps(doc))
+
+
+def task_train(rank, world, mem, out, arg):
+    """Train and save steps 1..5 (disk: step 3 only), then die like a crashed job."""
+    mgr = _manager(mem, out)
+    assert mgr.restore(_state()) is None  # a fresh start
+    state = _state()
+    for step in range(1, 6):
+        _train(state, step)
+        handle = mgr.save(step, state)
+        assert handle is not None
+        if step == 3:  # the expected disk checkpoint (its save committed: wait)
+            mgr.wait()
+            torch.save(flat(state), out / f"expected3_{rank}.pt")
+    mgr.wait()
+    mgr._restorer.memory.replicator.wait()  # replicas written before the kill
+    torch.save(flat(state), out / f"expected5_{rank}.pt")
+    # no close(): SIGKILLed by the harness with everything in memory
+
+
+def task_resume(rank, world, mem, out, arg):
+    """Restart through the manager: restore ``latest``; check it bitwise against step
+    ``arg``; train one more step and save it (step 6: due on disk), close."""
+    mgr = _manager(mem, out)
+    state = _state(fresh=True)
+    info = mgr.restore(state)
+    assert info is not None
+    expected = torch.load(out / f"expected{arg}_{rank}.pt", weights_only=True)
+    got = flat(state)
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), (key, info.step, info.tier)
+    assert state["extra"] == {"seen": 16 * info.step}  # plain values come back too
+    _train(state, info.step + 1)
+    mgr.save(info.step + 1, state, force=True)
+    mgr.wait()
+    torch.save(flat(state), out / f"expected{info.step + 1}_{rank}.pt")
+    restores = [e for e in mgr.events() if e["event"] == "restore"]
+    mgr.close()
+    _report(
+        rank,
+        out,
+        "info",
+        {
+            "step": info.step,
+            "tier": info.tier,
+            "event": {k: restores[-1].get(k) for k in ("step", "tier", "rank_tiers")},
+            "mem_left": sorted(p.name for p in mem.iterdir()) if mem.exists() else [],
+        },
+    )

@@ -1,0 +1,54 @@
+"""``CheckpointManager(..., tiers={"mem": True}, replicate=True)`` under a process group:
+2 gloo ranks as 2 simulated nodes (part B's harness: ``replication_workers.run``), every
+job ending with all ranks SIGKILLed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from test_replication import _spawn
+
+import stepvault
+from stepvault.catalog.events import read_events
+from stepvault.store import Store
+
+W = "manager_replication_workers:"
+
+
+def test_manager_resumes_from_own_and_buddy_memory_then_disk(tmp_path):
+    mem, out = tmp_path / "mem", tmp_path / "out"
+    _spawn(2, W + "train", mem, out)
+    hot = Store.open(out / "hot")
+    assert hot.list_steps("r") == [3]  # disk every 3rd save: 4 and 5 only in memory
+    saves = [e for e in read_events(hot, "r") if e["event"] == "save"]
+    assert [(e["step"], e["tier"]) for e in saves] == [
+        (1, "mem"),
+        (2, "mem"),
+        (3, "mem+hot"),
+        (4, "mem"),
+        (5, "mem"),
+    ]
+    for holder, source in [("n1", "n0"), ("n0", "n1")]:  # each node holds the other's
+        peers = next((mem / holder).glob("*-r+peers"))
+        replica = Store.open(peers / "peers" / source / "rank0")
+        assert 5 in replica.list_steps(f"r+rank{0 if source == 'n0' else 1}")
+        assert stepvault.verify(replica.backend.url, deep=True).ok
+
+    shutil.rmtree(mem / "n1")  # node n1 was replaced: its memory is gone
+    _spawn(2, W + "resume", mem, out, "5")
+    info = [json.loads((out / f"info{r}.json").read_text()) for r in (0, 1)]
+    assert info[0]["step"] == info[1]["step"] == 5  # newer than disk's 3: from memory
+    assert info[0]["tier"] == "mem" and info[1]["tier"] == "peer"
+    assert info[0]["event"] == {"step": 5, "tier": "mem", "rank_tiers": ["mem", "peer"]}
+    # close(): step 6 (saved after the restore) is on disk, so the memory is removed
+    assert hot.list_steps("r") == [3, 6]
+    assert info[0]["mem_left"] == [] and info[1]["mem_left"] == []
+
+    # Both nodes replaced: nothing in memory anywhere, so disk (step 6) on every rank.
+    shutil.rmtree(mem)
+    _spawn(2, W + "resume", mem, out, "6")
+    info = [json.loads((out / f"info{r}.json").read_text()) for r in (0, 1)]
+    assert [(i["step"], i["tier"]) for i in info] == [(6, "hot"), (6, "hot")]
+    fallback = [e for e in read_events(hot, "r") if e["event"] == "restore"][-1]
+    assert fallback["tier"] == "hot" and fallback["step"] == 6
