@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from replication_workers import flat, make_state, train_step
 
 from stepvault import CheckpointManager
@@ -88,3 +90,50 @@ def task_resume(rank, world, mem, out, arg):
             "mem_left": sorted(p.name for p in mem.iterdir()) if mem.exists() else [],
         },
     )
+
+
+def task_reopen(rank, world, mem, out, arg):
+    """Four managers in turn in the same job (each closed): close keeps memory that holds
+    the only copy; a later one restores it; memory older than disk is not restored; with
+    both nodes' memory gone, disk."""
+    mgr = _manager(mem, out)
+    state = {"w": torch.zeros(64)}
+    for step in range(1, 6):
+        state["w"].add_(1.0)
+        mgr.save(step, state)
+    mgr.close()  # step 5 is only in memory: kept (a mem_kept event)
+    assert mgr.store.list_steps("r") == [3]
+
+    mgr = _manager(mem, out)
+    own = mgr._restorer.memory.tier
+    assert own.steps() == [1, 2, 3, 4, 5]
+    got = {"w": torch.zeros(64)}
+    info = mgr.restore(got)
+    assert (info.step, info.tier) == (5, "mem") and torch.equal(got["w"], torch.full((64,), 5.0))
+    got["w"].add_(1.0)
+    mgr.save(6, got, force=True)  # due on disk: close may remove the memory now
+    mgr.close()
+    assert not Path(own.path).exists()
+    assert mgr.store.list_steps("r") == [3, 6]
+
+    # Memory that holds only steps older than the newest on disk: disk wins.
+    mgr = _manager(mem, out)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((64,), float(step))}, force=True)
+    mgr.wait()
+    assert mgr._restorer.memory.tier.steps() == [1, 2]
+    got = {"w": torch.zeros(64)}
+    info = mgr.restore(got)
+    assert (info.step, info.tier) == (6, "hot"), (info.step, info.tier)
+    assert torch.equal(got["w"], torch.full((64,), 6.0))
+    mgr.close()  # memory older than disk is never restored: removed
+    assert not Path(mgr._restorer.memory.tier.path).exists()
+
+    # Both nodes replaced: no memory anywhere, so every rank restores from disk.
+    dist.barrier()
+    shutil.rmtree(mem)
+    mgr = _manager(mem, out)
+    got = {"w": torch.zeros(64)}
+    info = mgr.restore(got)
+    assert (info.step, info.tier) == (6, "hot") and torch.equal(got["w"], torch.full((64,), 6.0))
+    mgr.close()

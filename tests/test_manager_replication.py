@@ -16,7 +16,7 @@ from stepvault.store import Store
 W = "manager_replication_workers:"
 
 
-def test_manager_resumes_from_own_and_buddy_memory_then_disk(tmp_path):
+def test_manager_resumes_bitwise_from_own_and_buddy_memory(tmp_path):
     mem, out = tmp_path / "mem", tmp_path / "out"
     _spawn(2, W + "train", mem, out)
     hot = Store.open(out / "hot")
@@ -45,10 +45,12 @@ def test_manager_resumes_from_own_and_buddy_memory_then_disk(tmp_path):
     assert hot.list_steps("r") == [3, 6]
     assert info[0]["mem_left"] == [] and info[1]["mem_left"] == []
 
-    # Both nodes replaced: nothing in memory anywhere, so disk (step 6) on every rank.
-    shutil.rmtree(mem)
-    _spawn(2, W + "resume", mem, out, "6")
-    info = [json.loads((out / f"info{r}.json").read_text()) for r in (0, 1)]
-    assert [(i["step"], i["tier"]) for i in info] == [(6, "hot"), (6, "hot")]
-    fallback = [e for e in read_events(hot, "r") if e["event"] == "restore"][-1]
-    assert fallback["tier"] == "hot" and fallback["step"] == 6
+
+def test_close_keeps_the_only_copy_and_memory_older_than_disk_is_not_restored(tmp_path):
+    """Four managers in turn in one 2-rank job; the last after both nodes' memory is gone."""
+    mem, out = tmp_path / "mem", tmp_path / "out"
+    _spawn(2, W + "reopen", mem, out)  # the assertions run on every rank
+    events = read_events(Store.open(out / "hot"), "r")
+    assert [e["event"] for e in events].count("mem_kept") == 1  # the first close only
+    restores = [(e["step"], e["tier"]) for e in events if e["event"] == "restore"]
+    assert restores == [(5, "mem"), (6, "hot"), (6, "hot")]

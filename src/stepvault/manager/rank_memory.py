@@ -159,12 +159,14 @@ class RankMemory:
     # -- closing --------------------------------------------------------------------------
     def close(self) -> None:
         """Collective: finish replication; remove this rank's mem tier and its replicas
-        only when every rank's newest mem checkpoint is on disk (else they are kept: they
-        hold the only copy, and a ``mem_kept`` event says so)."""
+        only when every rank's newest mem checkpoint is on disk or older than the newest
+        on disk (else they are kept: they hold the only copy, and a ``mem_kept`` event
+        says so)."""
         self.replicator.wait()
         steps = self.tier.steps()
         disk = set(self.session.store.list_steps(self.session.run))
-        flushed = not steps or steps[-1] in disk
+        # Memory older than the newest on disk is never restored (see restore): not needed.
+        flushed = not steps or steps[-1] in disk or steps[-1] < max(disk, default=-1)
         if not self.replicator.all_ok(flushed):
             self.session.event(
                 "mem_kept",
