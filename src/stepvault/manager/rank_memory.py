@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..core.info import RestoreInfo, SaveInfo
 from ..core.write import new_manifest
 from ..distributed.replication import Replicator, rank_run
+from ..distributed.state import has_dtensor
 from ..engine import to_host
 from ..engine.gc import sweep
 from ..format import Manifest
@@ -103,6 +104,11 @@ class RankMemory:
         collective save to disk runs too."""
         staged: RankStaged | None = None
         try:
+            if has_dtensor(state):  # a DTensor op in the snapshot could run collectives
+                raise ValueError(
+                    "sharded DTensor state is not copied into node memory yet: the save "
+                    "goes to disk (DCP)"
+                )
             kind = "weights" if decision.kind == "weights" else "full"
             snapshot = take_snapshot(state, kind=kind)
             manifest = new_manifest(
@@ -117,7 +123,7 @@ class RankMemory:
                 self.saver.session.event(
                     "mem_over_budget", step=step, needed_bytes=need, budget=self.tier.budget
                 )
-        except (TypeError, ValueError, OSError) as exc:  # e.g. sharded DTensor state
+        except (TypeError, ValueError, RuntimeError, OSError) as exc:  # e.g. DTensor state
             self.saver.session.event(
                 "mem_save_failed", step=step, error=f"{type(exc).__name__}: {exc}"
             )
@@ -126,12 +132,18 @@ class RankMemory:
         disk = not all(everyone) or self.saver.wants_disk(step, decision.urgent)
         return staged, disk
 
-    def commit(self, staged: RankStaged) -> tuple[SaveInfo | None, dict[str, Any]]:
-        """Writer thread: commit into the rank's mem tier, then queue the replica."""
-        info, fields = self.saver.save(staged.manifest, staged.host, urgent=staged.urgent)
-        # Every rank queues the step (the replicator's transfers pair ranks in order); a
-        # rank whose mem write failed offers nothing and its buddy records the skip.
-        self.replicator.replicate(self.session.run, staged.manifest.step)
+    def commit(
+        self, step: int, staged: RankStaged | None
+    ) -> tuple[SaveInfo | None, dict[str, Any]]:
+        """Writer thread, every rank at every save: commit into the rank's mem tier (when
+        it staged one), then queue the replica."""
+        info: SaveInfo | None = None
+        fields: dict[str, Any] = {}
+        if staged is not None:
+            info, fields = self.saver.save(staged.manifest, staged.host, urgent=staged.urgent)
+        # Every rank queues every step (the replicator's transfers pair ranks in order); a
+        # rank without this step in memory offers it as missing and its buddy logs the skip.
+        self.replicator.replicate(self.session.run, step)
         return info, fields
 
     # -- restoring ------------------------------------------------------------------------

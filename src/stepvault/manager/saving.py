@@ -260,10 +260,11 @@ class CollectiveWriter:
 
         def commit() -> tuple[SaveInfo, dict[str, Any]]:
             fields: dict[str, Any] = {"world_size": torch.distributed.get_world_size()}
-            if rank_staged is not None:
-                assert rank_mem is not None  # it staged this
-                mem_info, more = rank_mem.commit(rank_staged)
-                fields.update(more, tier="mem+hot" if disk else "mem")
+            if rank_mem is not None:
+                mem_info, more = rank_mem.commit(step, rank_staged)
+                fields.update(more)  # a failed mem write says so ("mem", "tier": "hot")
+                if mem_info is not None:
+                    fields["tier"] = "mem+hot" if disk else "mem"
                 if not disk:
                     if mem_info is None:
                         exc = StepvaultError(
