@@ -26,7 +26,7 @@ def _train(state: dict, step: int) -> None:
     train_step(state, 0, step)
 
 
-def _manager(mem: Path, out: Path) -> CheckpointManager:
+def _manager(mem: Path, out: Path, **options) -> CheckpointManager:
     os.environ["STEPVAULT_MEM_ROOT"] = str(mem)  # this rank's node memory
     return CheckpointManager(
         out / "hot",
@@ -35,6 +35,7 @@ def _manager(mem: Path, out: Path) -> CheckpointManager:
         replicate=True,
         tier_policy=CopyEvery("hot", steps=3),  # disk every 3rd save; the rest in memory
         lineage=False,
+        **options,
     )
 
 
@@ -93,9 +94,9 @@ def task_resume(rank, world, mem, out, arg):
 
 
 def task_reopen(rank, world, mem, out, arg):
-    """Four managers in turn in the same job (each closed): close keeps memory that holds
+    """Five managers in turn in the same job (each closed): close keeps memory that holds
     the only copy; a later one restores it; memory older than disk is not restored; with
-    both nodes' memory gone, disk."""
+    both nodes' memory gone, disk; a save one rank cannot fit into memory goes to disk."""
     mgr = _manager(mem, out)
     state = {"w": torch.zeros(64)}
     for step in range(1, 6):
@@ -136,4 +137,13 @@ def task_reopen(rank, world, mem, out, arg):
     got = {"w": torch.zeros(64)}
     info = mgr.restore(got)
     assert (info.step, info.tier) == (6, "hot") and torch.equal(got["w"], torch.full((64,), 6.0))
+    mgr.close()
+
+    # Rank 0's memory is too small for a save that is not due on disk: every rank saves
+    # it to disk (DCP stays collective), and rank 1 also into its memory.
+    mgr = _manager(mem, out, mem_budget=4096 if rank == 0 else "1GB")
+    mgr.save(7, got)
+    mgr.wait()
+    assert mgr.store.list_steps("r") == [3, 6, 7]
+    assert mgr._restorer.memory.tier.steps() == ([] if rank == 0 else [7])
     mgr.close()

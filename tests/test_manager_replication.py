@@ -47,10 +47,13 @@ def test_manager_resumes_bitwise_from_own_and_buddy_memory(tmp_path):
 
 
 def test_close_keeps_the_only_copy_and_memory_older_than_disk_is_not_restored(tmp_path):
-    """Four managers in turn in one 2-rank job; the last after both nodes' memory is gone."""
+    """Five managers in turn in one 2-rank job (the fourth after both nodes' memory is
+    gone, the fifth with a memory budget too small on rank 0)."""
     mem, out = tmp_path / "mem", tmp_path / "out"
     _spawn(2, W + "reopen", mem, out)  # the assertions run on every rank
     events = read_events(Store.open(out / "hot"), "r")
     assert [e["event"] for e in events].count("mem_kept") == 1  # the first close only
     restores = [(e["step"], e["tier"]) for e in events if e["event"] == "restore"]
     assert restores == [(5, "mem"), (6, "hot"), (6, "hot")]
+    over = [e for e in events if e["event"] == "mem_over_budget"]
+    assert [e["step"] for e in over] == [7]
