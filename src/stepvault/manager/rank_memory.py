@@ -42,13 +42,20 @@ from .mem_saving import MemSaver, _estimate
 from .session import RunSession
 
 
-def _copy(value: Any) -> Any:
-    """A host copy the training thread may overwrite the source of at once."""
-    if isinstance(value, torch.Tensor):
-        return to_host(value.detach().to("cpu", copy=True))
-    import numpy as np
+def _copy(value: Any, buffers: dict[str, torch.Tensor], name: str) -> Any:
+    """A host copy the training thread may overwrite the source of at once, into the
+    buffer of the previous save when it fits (allocating and faulting in fresh pages on
+    every save costs several times the copy)."""
+    if not isinstance(value, torch.Tensor):
+        import numpy as np
 
-    return to_host(np.array(value, copy=True))
+        return to_host(np.array(value, copy=True))
+    src = value.detach()
+    buf = buffers.get(name)
+    if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+        buf = buffers[name] = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+    buf.copy_(src)
+    return to_host(buf)
 
 
 @dataclass
@@ -88,6 +95,7 @@ class RankMemory:
         self.replicator = Replicator(self.tier.store, self.peers_root, budget_bytes=node_mem.budget)
         #: where each rank's last memory restore came from ("mem"/"peer"), by rank
         self.last_tiers: list[Any] = []
+        self._buffers: dict[str, torch.Tensor] = {}  # host copies, reused between saves
 
     # -- saving ---------------------------------------------------------------------------
     def stage(
@@ -114,7 +122,11 @@ class RankMemory:
             manifest = new_manifest(
                 self.run, step, snapshot, epoch=epoch, kind=kind, metrics=metrics
             )
-            host = {name: _copy(v) for name, v in snapshot.arrays.items()}
+            # The previous save's commit is done (collective saves wait for it), so its
+            # buffers are free; the replica is read from the mem store, not from them.
+            host = {name: _copy(v, self._buffers, name) for name, v in snapshot.arrays.items()}
+            for gone in set(self._buffers) - set(host):
+                del self._buffers[gone]
             need = _estimate(host, int(self.tier.store.settings.get("chunk_size", 32 << 20)))
             on_disk = set(self.session.store.list_steps(self.session.run))
             if self.tier.make_room(need, on_disk, log=self.saver.session.event):
