@@ -142,6 +142,9 @@ def task_reopen(rank, world, mem, out, arg):
     # Rank 0's memory is too small for a save that is not due on disk: every rank saves
     # it to disk (DCP stays collective), and rank 1 also into its memory.
     mgr = _manager(mem, out, mem_budget=4096 if rank == 0 else "1GB")
+    half = 2048 if rank == 0 else 500_000_000  # the node's budget: half own, half replicas
+    rank_mem = mgr._restorer.memory
+    assert rank_mem.tier.budget == rank_mem.replicator.budget_bytes == half
     mgr.save(7, got)
     mgr.wait()
     assert mgr.store.list_steps("r") == [3, 6, 7]

@@ -92,7 +92,13 @@ class RankMemory:
         self.peers_root = mem_dir(node_mem.root, session.store, session.run) + "+peers"
         with self.tier.lock:  # what a killed predecessor left half-written
             sweep(self.tier.store, grace_seconds=0)
-        self.replicator = Replicator(self.tier.store, self.peers_root, budget_bytes=node_mem.budget)
+        # The node's memory budget: half for the replicas it holds, half for its ranks'
+        # own copies (split among them), so the node's total never exceeds mem_budget.
+        self.replicator = Replicator(
+            self.tier.store, self.peers_root, budget_bytes=max(1, node_mem.budget // 2)
+        )
+        local = self.replicator.layout.nodes.count(self.replicator.layout.nodes[self.rank])
+        self.tier.budget = node_mem.budget // (2 * local)
         #: where each rank's last memory restore came from ("mem"/"peer"), by rank
         self.last_tiers: list[Any] = []
         self._buffers: dict[str, torch.Tensor] = {}  # host copies, reused between saves
