@@ -6,6 +6,7 @@ Each rank simulates its node with ``STEPVAULT_NODE`` and a per-node memory root
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -35,7 +36,10 @@ def run(rank: int, world: int, port: int, task: str, mem: str, out: str, arg: st
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     result = "ok"
     try:
-        globals()[f"task_{task}"](rank, world, Path(mem) / node_of(rank, world), Path(out), arg)
+        # "module:task" runs a task of another worker module (the manager's tests)
+        module, _, name = task.rpartition(":")
+        tasks = vars(importlib.import_module(module)) if module else globals()
+        tasks[f"task_{name}"](rank, world, Path(mem) / node_of(rank, world), Path(out), arg)
     except BaseException as exc:
         result = f"error {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     (Path(out) / f"rank{rank}.txt").write_text(result)

@@ -30,12 +30,14 @@ def restore_from_memory(
     *,
     run: str,
     workers: int | None = None,
+    min_step: int | None = None,
 ) -> RestoreInfo | None:
     """Collective: load this rank's newest memory checkpoint of ``run`` that every rank can
     get (own memory first, else the buddy's); None when there is none (use disk/S3).
 
     ``RestoreInfo.tier`` is ``"mem"`` or ``"peer"``; the ``restore`` event in the own
-    store's log records the tier, the step and the seconds it took.
+    store's log records the tier, the step and the seconds it took. ``min_step``: steps
+    older than it are not taken (a newer checkpoint is on disk: the caller restores that).
     """
     t0 = time.perf_counter()
     me = replicator.rank
@@ -47,6 +49,8 @@ def restore_from_memory(
         common = set(held[0]["own"]) | set(held[0]["peer"])
         for doc in held[1:]:
             common &= set(doc["own"]) | set(doc["peer"])
+        if min_step is not None:
+            common = {s for s in common if s >= min_step}
         skipped: list[SkippedCheckpoint] = []
         chosen: int | None = None
         tier = "mem"

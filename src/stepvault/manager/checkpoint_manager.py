@@ -118,6 +118,10 @@ class CheckpointManager:
             ``save(kind="light")``) encode the state: a :class:`~stepvault.LightOptions`.
         resume_from_light: let ``restore("latest")`` take a light checkpoint (lossy:
             ``info.lossy``) when it is newer than every full one (default: full ones only).
+        replicate: under a process group with a mem tier (``tiers={"mem": True}``): every
+            rank also saves its own state into its node's memory at each save, replicated
+            in the background to a buddy node; ``restore()`` reads own memory, then the
+            buddy's, then disk (:mod:`stepvault.manager.rank_memory`, STORAGE.md).
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class CheckpointManager:
         mem_cleanup: bool = True,
         light: LightOptions | None = None,
         resume_from_light: bool = False,
+        replicate: bool = False,
     ) -> None:
         # Every option is checked here, before the store is touched.
         self.options = opts = ManagerOptions(
@@ -180,6 +185,12 @@ class CheckpointManager:
         from .mem_saving import open_for_manager, split_mem
 
         tiers, mem_target = split_mem(tiers)
+        if replicate and (mem_target is None or not scope.collective):
+            raise ValueError(
+                "replicate=True copies every rank's memory checkpoints to a buddy node: it "
+                "needs a mem tier (tiers={'mem': True}) and a collective manager under an "
+                "initialised process group"
+            )
         #: the mem tier (node shared memory, read first; see .mem_saving), or None
         self.mem_tier = (
             open_for_manager(self.store, self.run, mem_target, opts.mem_budget)  # type: ignore[arg-type]
@@ -214,6 +225,10 @@ class CheckpointManager:
             from .mem_saving import MemSaver, start_mem_tier
 
             self._mem_saver = MemSaver(s, self.mem_tier, tier_policy, cleanup=mem_cleanup)
+            if replicate and isinstance(writer, CollectiveWriter):
+                from .rank_memory import RankMemory
+
+                writer.mem = RankMemory(s, self.mem_tier, tier_policy, cleanup=mem_cleanup)
             start_mem_tier(s, self.mem_tier, writer, self._lease is not None)
             if isinstance(writer, LocalWriter):
                 writer.mem = self._mem_saver
@@ -223,6 +238,7 @@ class CheckpointManager:
             hooks.append(NotifyMover(self.tier_mover))
         self._pipeline = SavePipeline(s, writer, BackgroundWriter() if async_save else None, hooks)
         self._restorer = ManagerRestorer(s, self._best)
+        self._restorer.memory = getattr(writer, "mem", None) if scope.collective else None
         self._last_save_step: int | None = None
         self._last_save_time: float | None = None
         self._save_cost: float | None = None
@@ -564,6 +580,9 @@ class CheckpointManager:
                         self._retention.apply()
                     except (StepvaultError, OSError):
                         pass  # the next session's first save applies it
+            rank_mem = self._restorer.memory
+            if rank_mem is not None:  # collective: removed once the newest is on disk
+                rank_mem.close()
             if self._mem_saver is not None and self._session.scope.coordinator:
                 self._mem_saver.close()  # newest mem copy to disk, then the tier removed
         finally:

@@ -25,6 +25,8 @@ class ManagerRestorer:
     def __init__(self, session: RunSession, best: list[tuple[str, str]]) -> None:
         self.session = session
         self.best = best
+        #: a RankMemory (.rank_memory): "latest" is first restored from node memory
+        self.memory: Any = None
         #: the restore's progress: a callback, True/False, or None (a bar on a terminal
         #: when reading from a remote tier), as in :func:`stepvault.restore`
         self.progress: Any = None
@@ -60,6 +62,10 @@ class ManagerRestorer:
         s = self.session
         t0 = time.perf_counter()
         candidates, fallback = self.candidates(step)
+        if self.memory is not None and step == "latest":
+            info = self.memory.restore(state, max(candidates) if candidates else None)
+            if info is not None:  # own or the buddy's memory; every rank the same step
+                return self._restored_from_memory(info, t0)
         if not candidates:
             s.event("restore", step=None, result="fresh start")
             return None
@@ -100,6 +106,25 @@ class ManagerRestorer:
             tier=info.tier,
             tier_bytes=info.tier_bytes,
             **({"lossy": True, "base_step": info.base_step} if info.lossy else {}),
+        )
+        return info
+
+    def _restored_from_memory(self, info: RestoreInfo, t0: float) -> RestoreInfo:
+        s = self.session
+        info.tier_bytes = {str(info.tier): info.bytes_read}
+        s.stats.restored(True, len(info.skipped))
+        if s.metrics:
+            s.metrics.restored(True, len(info.skipped))
+        s.event(
+            "restore",
+            step=info.step,
+            requested="latest",
+            skipped=[{"step": k.step, "reason": k.reason} for k in info.skipped],
+            seconds=time.perf_counter() - t0,
+            bytes_read=info.bytes_read,
+            tier=info.tier,
+            tier_bytes=info.tier_bytes,
+            rank_tiers=list(getattr(self.memory, "last_tiers", [])),
         )
         return info
 

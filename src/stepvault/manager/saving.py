@@ -26,6 +26,7 @@ from ..core.write import new_manifest, write_manifest
 from ..engine import to_host
 from ..engine.background import BackgroundWriter
 from ..engine.staging_pool import StagingPool
+from ..errors import StepvaultError
 from ..format import Manifest, parse_manifest
 from ..policy import SaveDecision
 from ..state.snapshot import take_snapshot, weights_only
@@ -189,6 +190,9 @@ class CollectiveWriter:
     """
 
     waits_for_previous = True
+    #: a RankMemory (.rank_memory) when every rank also saves into node memory (set by
+    #: the manager only then: without it the mem tier is read by restores only)
+    mem: Any
 
     def in_flight_limit(self) -> int:
         return 1
@@ -226,6 +230,9 @@ class CollectiveWriter:
             kind = "full"
             s.event("light_as_full", step=step, reason="multi-rank saves are always full")
         part = weights_only(state) if kind == "weights" else state
+        rank_mem, rank_staged, disk = getattr(self, "mem", None), None, True
+        if rank_mem is not None:  # this rank's own copy into node memory (.rank_memory)
+            rank_staged, disk = rank_mem.stage(step, state, decision, epoch=epoch, metrics=metrics)
         args: dict[str, Any] = dict(
             run=s.run,
             step=step,
@@ -236,7 +243,9 @@ class CollectiveWriter:
             lineage=s.lineage_ref() if s.scope.coordinator else None,
         )
         try:
-            if background:
+            if not disk:
+                pass  # in node memory only this time (the tier policy's CopyEvery)
+            elif background:
                 assert self.async_saver is not None
                 future = self.async_saver.save(s.store, part, **args)
             else:
@@ -250,7 +259,22 @@ class CollectiveWriter:
         stall = time.perf_counter() - t0
 
         def commit() -> tuple[SaveInfo, dict[str, Any]]:
-            if background:
+            fields: dict[str, Any] = {"world_size": torch.distributed.get_world_size()}
+            if rank_mem is not None:
+                mem_info, more = rank_mem.commit(step, rank_staged)
+                fields.update(more)  # a failed mem write says so ("mem", "tier": "hot")
+                if mem_info is not None:
+                    fields["tier"] = "mem+hot" if disk else "mem"
+                if not disk:
+                    if mem_info is None:
+                        exc = StepvaultError(
+                            f"step {step} was due in node memory only and its memory save "
+                            "failed on this rank (see the mem_save_failed event)"
+                        )
+                        s.failed(step, exc)
+                        raise exc
+                    return mem_info, fields
+            if background and disk:
                 try:
                     future.result()
                 except BaseException as exc:
@@ -258,7 +282,7 @@ class CollectiveWriter:
                     raise
             m = parse_manifest(s.store.read_manifest(s.run, step), f"{s.run}@{step}")
             info = SaveInfo.of_manifest(m, time.perf_counter() - t0, kind)
-            return info, {"world_size": torch.distributed.get_world_size()}
+            return info, fields
 
         return Staged(stall, background, commit, started=t0)
 

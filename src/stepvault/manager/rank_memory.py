@@ -1,0 +1,233 @@
+"""The mem tier under a process group: every rank's own state in its node's memory,
+replicated to a buddy node (``CheckpointManager(..., tiers={"mem": True}, replicate=True)``).
+
+At each save every rank copies its rank-local state into host memory on the training
+thread (the only stall it adds), then, on the writer thread, commits it into its own mem
+tier on the node (``<mem root>/<key>-<run>+rank<r>``, one :class:`~stepvault.tiers.mem.
+MemTier` per rank, the part-A writer and budget) as the run ``rank_run(run, rank)``, and
+queues it for the :class:`~stepvault.distributed.replication.Replicator`, whose own thread
+sends it to the buddy node over its own gloo group (replicas under ``<mem root>/<key>-<run>
++peers``). The collective (DCP) save to disk runs as the tier policy asks: every save by
+default, every ``n``-th with ``CopyEvery("hot", steps=n)``, plus urgent saves and any save
+that some rank could not put into memory (all ranks agree, so DCP stays collective).
+
+A restore of ``"latest"`` first asks :func:`~stepvault.core.peer_restore.
+restore_from_memory` (own memory, else the buddy's; every rank the same step, verified),
+never for a step older than the newest checkpoint on disk or object storage; when no such
+step is in memory on every rank, the collective restore from disk runs as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core.info import RestoreInfo, SaveInfo
+from ..core.write import new_manifest
+from ..distributed.replication import Replicator, rank_run
+from ..distributed.state import has_dtensor
+from ..engine import to_host
+from ..engine.gc import sweep
+from ..format import Manifest
+from ..policy import SaveDecision
+from ..state.snapshot import take_snapshot
+from ..tiers.mem import MemTier, mem_dir, open_mem_tier
+from .mem_saving import MemSaver, _estimate
+from .session import RunSession
+
+
+def _copy(value: Any, buffers: dict[str, torch.Tensor], name: str) -> Any:
+    """A host copy the training thread may overwrite the source of at once, into the
+    buffer of the previous save when it fits (allocating and faulting in fresh pages on
+    every save costs several times the copy)."""
+    if not isinstance(value, torch.Tensor):
+        import numpy as np
+
+        return to_host(np.array(value, copy=True))
+    src = value.detach()
+    buf = buffers.get(name)
+    if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+        buf = buffers[name] = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+    buf.copy_(src)
+    return to_host(buf)
+
+
+@dataclass
+class RankStaged:
+    """A rank's save after its training-thread part: what the writer thread commits."""
+
+    manifest: Manifest
+    host: dict[str, Any]
+    urgent: bool
+
+
+class RankMemory:
+    """One rank's mem tier, its writer and its replicator (built on every rank: the
+    replicator's set-up is collective)."""
+
+    def __init__(
+        self,
+        session: RunSession,
+        node_mem: MemTier,
+        policy: Any,
+        *,
+        cleanup: bool = True,
+    ) -> None:
+        self.session = session
+        self.rank = dist.get_rank()
+        self.run = rank_run(session.run, self.rank)
+        self.tier = open_mem_tier(
+            session.store, self.run, root=node_mem.root, budget=node_mem.budget
+        )
+        rank_session: Any = _RankSession(session, self.run)  # what MemSaver uses of one
+        self.saver = MemSaver(rank_session, self.tier, policy, cleanup=False)
+        self.cleanup = cleanup
+        self.node_mem = node_mem  # the node's mem tier of the run: unused under a group
+        self.peers_root = mem_dir(node_mem.root, session.store, session.run) + "+peers"
+        with self.tier.lock:  # what a killed predecessor left half-written
+            sweep(self.tier.store, grace_seconds=0)
+        # The node's memory budget: half for the replicas it holds, half for its ranks'
+        # own copies (split among them), so the node's total never exceeds mem_budget.
+        self.replicator = Replicator(
+            self.tier.store, self.peers_root, budget_bytes=max(1, node_mem.budget // 2)
+        )
+        local = self.replicator.layout.nodes.count(self.replicator.layout.nodes[self.rank])
+        self.tier.budget = node_mem.budget // (2 * local)
+        #: where each rank's last memory restore came from ("mem"/"peer"), by rank
+        self.last_tiers: list[Any] = []
+        self._buffers: dict[str, torch.Tensor] = {}  # host copies, reused between saves
+
+    # -- saving ---------------------------------------------------------------------------
+    def stage(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        decision: SaveDecision,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+    ) -> tuple[RankStaged | None, bool]:
+        """Training thread: copy this rank's state to host memory and make room for it;
+        ``(staged or None, disk)`` where ``disk`` (the same on every rank) says whether the
+        collective save to disk runs too."""
+        staged: RankStaged | None = None
+        try:
+            if has_dtensor(state):  # a DTensor op in the snapshot could run collectives
+                raise ValueError(
+                    "sharded DTensor state is not copied into node memory yet: the save "
+                    "goes to disk (DCP)"
+                )
+            kind = "weights" if decision.kind == "weights" else "full"
+            snapshot = take_snapshot(state, kind=kind)
+            manifest = new_manifest(
+                self.run, step, snapshot, epoch=epoch, kind=kind, metrics=metrics
+            )
+            # The previous save's commit is done (collective saves wait for it), so its
+            # buffers are free; the replica is read from the mem store, not from them.
+            host = {name: _copy(v, self._buffers, name) for name, v in snapshot.arrays.items()}
+            for gone in set(self._buffers) - set(host):
+                del self._buffers[gone]
+            need = _estimate(host, int(self.tier.store.settings.get("chunk_size", 32 << 20)))
+            on_disk = set(self.session.store.list_steps(self.session.run))
+            if self.tier.make_room(need, on_disk, log=self.saver.session.event):
+                staged = RankStaged(manifest, host, decision.urgent)
+            else:
+                self.saver.session.event(
+                    "mem_over_budget", step=step, needed_bytes=need, budget=self.tier.budget
+                )
+        except (TypeError, ValueError, RuntimeError, OSError) as exc:  # e.g. DTensor state
+            self.saver.session.event(
+                "mem_save_failed", step=step, error=f"{type(exc).__name__}: {exc}"
+            )
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, staged is not None)
+        disk = not all(everyone) or self.saver.wants_disk(step, decision.urgent)
+        return staged, disk
+
+    def commit(
+        self, step: int, staged: RankStaged | None
+    ) -> tuple[SaveInfo | None, dict[str, Any]]:
+        """Writer thread, every rank at every save: commit into the rank's mem tier (when
+        it staged one), then queue the replica."""
+        info: SaveInfo | None = None
+        fields: dict[str, Any] = {}
+        if staged is not None:
+            info, fields = self.saver.save(staged.manifest, staged.host, urgent=staged.urgent)
+        # Every rank queues every step (the replicator's transfers pair ranks in order); a
+        # rank without this step in memory offers it as missing and its buddy logs the skip.
+        self.replicator.replicate(self.session.run, step)
+        return info, fields
+
+    # -- restoring ------------------------------------------------------------------------
+    def restore(
+        self, state: MutableMapping[str, Any], newest_on_disk: int | None
+    ) -> RestoreInfo | None:
+        """Collective: this rank's newest memory checkpoint that every rank can get (own or
+        buddy memory), not older than ``newest_on_disk``; None: restore from disk."""
+        from ..core.peer_restore import restore_from_memory
+
+        self.replicator.wait()
+        info = restore_from_memory(
+            self.replicator,
+            state,
+            run=self.session.run,
+            workers=self.session.options.workers,
+            min_step=newest_on_disk,
+        )
+        if info is not None:  # all ranks or none restored (they agreed on the step)
+            tiers: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(tiers, info.tier, group=self.replicator.group)
+            self.last_tiers = tiers
+        return info
+
+    # -- closing --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective: finish replication; remove this rank's mem tier and its replicas
+        only when every rank's newest mem checkpoint is on disk or older than the newest
+        on disk (else they are kept: they hold the only copy, and a ``mem_kept`` event
+        says so)."""
+        self.replicator.wait()
+        steps = self.tier.steps()
+        disk = set(self.session.store.list_steps(self.session.run))
+        # Memory older than the newest on disk is never restored (see restore): not needed.
+        flushed = not steps or steps[-1] in disk or steps[-1] < max(disk, default=-1)
+        if not self.replicator.all_ok(flushed):
+            self.session.event(
+                "mem_kept",
+                reason="the newest memory checkpoint of some rank is not on disk: save it "
+                "collectively (a forced save at the last step) before close to remove it",
+            )
+            self.replicator.close()
+            return
+        self.replicator.close()
+        if self.cleanup:
+            self.tier.remove()
+            with contextlib.suppress(OSError):
+                dist.barrier(group=self.replicator.group)  # peers' last reads are done
+            shutil.rmtree(self.peers_root, ignore_errors=True)  # the node's ranks share it
+            self.node_mem.remove()  # empty: under a group only the ranks' own tiers are used
+            self.session.event("mem_removed", path=self.peers_root, ranks=dist.get_world_size())
+
+
+class _RankSession:
+    """The parts of a :class:`RunSession` :class:`MemSaver` uses, for a rank's own run:
+    its events go to the coordinator's log, tagged with the rank."""
+
+    def __init__(self, session: RunSession, run: str) -> None:
+        self._session = session
+        self.store = session.store
+        self.run = session.run  # steps on disk are the collective run's
+        self.rank_run = run
+
+    def event(self, event: str, **fields: Any) -> None:
+        if self._session.scope.coordinator:
+            self._session.event(event, rank=0, **fields)
+
+
+__all__ = ["RankMemory", "RankStaged"]

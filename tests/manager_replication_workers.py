@@ -1,0 +1,152 @@
+"""Rank tasks for the manager's replicated mem tier (run by ``replication_workers.run``
+as ``"manager_replication_workers:TASK"``; each rank simulates its node there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from replication_workers import flat, make_state, train_step
+
+from stepvault import CheckpointManager
+from stepvault.tiers import CopyEvery
+
+
+# Data-parallel training: every rank holds the same replicated state (a DCP save on disk
+# keeps one copy of a replicated tensor, so per-rank values would not survive it).
+def _state(fresh: bool = False) -> dict:
+    return make_state(0, fresh=fresh)
+
+
+def _train(state: dict, step: int) -> None:
+    train_step(state, 0, step)
+
+
+def _manager(mem: Path, out: Path, **options) -> CheckpointManager:
+    os.environ["STEPVAULT_MEM_ROOT"] = str(mem)  # this rank's node memory
+    return CheckpointManager(
+        out / "hot",
+        "r",
+        tiers={"mem": True},
+        replicate=True,
+        tier_policy=CopyEvery("hot", steps=3),  # disk every 3rd save; the rest in memory
+        lineage=False,
+        **options,
+    )
+
+
+def _report(rank: int, out: Path, name: str, doc: object) -> None:
+    (out / f"{name}{rank}.json").write_text(json.dumps(doc))
+
+
+def task_train(rank, world, mem, out, arg):
+    """Train and save steps 1..5 (disk: step 3 only), then die like a crashed job."""
+    mgr = _manager(mem, out)
+    assert mgr.restore(_state()) is None  # a fresh start
+    state = _state()
+    for step in range(1, 6):
+        _train(state, step)
+        handle = mgr.save(step, state)
+        assert handle is not None
+        if step == 3:  # the expected disk checkpoint (its save committed: wait)
+            mgr.wait()
+            torch.save(flat(state), out / f"expected3_{rank}.pt")
+    mgr.wait()
+    mgr._restorer.memory.replicator.wait()  # replicas written before the kill
+    torch.save(flat(state), out / f"expected5_{rank}.pt")
+    # no close(): SIGKILLed by the harness with everything in memory
+
+
+def task_resume(rank, world, mem, out, arg):
+    """Restart through the manager: restore ``latest``; check it bitwise against step
+    ``arg``; train one more step and save it (step 6: due on disk), close."""
+    mgr = _manager(mem, out)
+    state = _state(fresh=True)
+    info = mgr.restore(state)
+    assert info is not None
+    expected = torch.load(out / f"expected{arg}_{rank}.pt", weights_only=True)
+    got = flat(state)
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), (key, info.step, info.tier)
+    assert state["extra"] == {"seen": 16 * info.step}  # plain values come back too
+    _train(state, info.step + 1)
+    mgr.save(info.step + 1, state, force=True)
+    mgr.wait()
+    torch.save(flat(state), out / f"expected{info.step + 1}_{rank}.pt")
+    restores = [e for e in mgr.events() if e["event"] == "restore"]
+    mgr.close()
+    _report(
+        rank,
+        out,
+        "info",
+        {
+            "step": info.step,
+            "tier": info.tier,
+            "event": {k: restores[-1].get(k) for k in ("step", "tier", "rank_tiers")},
+            "mem_left": sorted(p.name for p in mem.iterdir()) if mem.exists() else [],
+        },
+    )
+
+
+def task_reopen(rank, world, mem, out, arg):
+    """Five managers in turn in the same job (each closed): close keeps memory that holds
+    the only copy; a later one restores it; memory older than disk is not restored; with
+    both nodes' memory gone, disk; a save one rank cannot fit into memory goes to disk."""
+    mgr = _manager(mem, out)
+    state = {"w": torch.zeros(64)}
+    for step in range(1, 6):
+        state["w"].add_(1.0)
+        mgr.save(step, state)
+    mgr.close()  # step 5 is only in memory: kept (a mem_kept event)
+    assert mgr.store.list_steps("r") == [3]
+
+    mgr = _manager(mem, out)
+    own = mgr._restorer.memory.tier
+    assert own.steps() == [1, 2, 3, 4, 5]
+    got = {"w": torch.zeros(64)}
+    info = mgr.restore(got)
+    assert (info.step, info.tier) == (5, "mem") and torch.equal(got["w"], torch.full((64,), 5.0))
+    got["w"].add_(1.0)
+    mgr.save(6, got, force=True)  # due on disk: close may remove the memory now
+    mgr.close()
+    assert not Path(own.path).exists()
+    assert mgr.store.list_steps("r") == [3, 6]
+
+    # Memory that holds only steps older than the newest on disk: disk wins.
+    mgr = _manager(mem, out)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((64,), float(step))}, force=True)
+    mgr.wait()
+    assert mgr._restorer.memory.tier.steps() == [1, 2]
+    got = {"w": torch.zeros(64)}
+    info = mgr.restore(got)
+    assert (info.step, info.tier) == (6, "hot"), (info.step, info.tier)
+    assert torch.equal(got["w"], torch.full((64,), 6.0))
+    mgr.close()  # memory older than disk is never restored: removed
+    assert not Path(mgr._restorer.memory.tier.path).exists()
+
+    # Both nodes replaced: no memory anywhere, so every rank restores from disk.
+    dist.barrier()
+    shutil.rmtree(mem)
+    mgr = _manager(mem, out)
+    got = {"w": torch.zeros(64)}
+    info = mgr.restore(got)
+    assert (info.step, info.tier) == (6, "hot") and torch.equal(got["w"], torch.full((64,), 6.0))
+    mgr.close()
+
+    # Rank 0's memory is too small for a save that is not due on disk: every rank saves
+    # it to disk (DCP stays collective), and rank 1 also into its memory.
+    mgr = _manager(mem, out, mem_budget=4096 if rank == 0 else "1GB")
+    half = 2048 if rank == 0 else 500_000_000  # the node's budget: half own, half replicas
+    rank_mem = mgr._restorer.memory
+    assert rank_mem.tier.budget == rank_mem.replicator.budget_bytes == half
+    mgr.save(7, got)
+    mgr.wait()
+    assert mgr.store.list_steps("r") == [3, 6, 7]
+    assert mgr._restorer.memory.tier.steps() == ([] if rank == 0 else [7])
+    mgr.close()
