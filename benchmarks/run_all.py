@@ -145,16 +145,25 @@ def summary_rows(work: Path) -> list[list[str]]:
     from_row("durable save ≥ 1.5× DCP sync", peers, "durable save: stepvault / DCP save")
     from_row("async stall ≤ 0.1× synchronous save", peers, "async save stall")
     from_row("full restore ≤ 1.0× safetensors load (warm)", peers, "full restore, warm")
-    cold = row_of(core, "restore into existing tensors, cold cache")
-    if cold is not None:
-        rows.append(
-            [
-                "full restore, cold cache (realistic resume; core section)",
-                cold["measured"],
-                "info",
-                "",
-            ]
-        )
+    # Issue 13's targets, measured by the core section (1.49 GB state, its own repeats).
+    from_row(
+        "first async save stall ≤ 0.1× synchronous save (core)", core, "async save stall, first"
+    )
+    from_row(
+        "first async save stall ≤ 1.3× bare copy into pre-faulted memory (core)",
+        core,
+        "async save stall, first save / bare copy",
+    )
+    from_row(
+        "later async save stall ≤ 1.3× bare copy (core)", core, "async save stall, later saves"
+    )
+    from_row(
+        "warm restore ≤ 1.3× safetensors load + copy (core)",
+        core,
+        "restore into existing tensors, warm",
+    )
+    from_row("cold restore ≤ 1.0× safetensors (core)", core, "restore into existing tensors, cold")
+    from_row("load(mmap=True) of one tensor ≤ 2× safe_open (core)", core, "one tensor (")
     if core and core.get("codecs"):
         bf16 = next(c for c in core["codecs"] if c["dtype"] == "bfloat16")
         sv, zipnn = bf16["ratio"]["stepvault float"], bf16["ratio"]["zipnn"]
