@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import CorruptObjectError, MissingObjectError
 from ..format.dtypes import dtype_info
 from ..format.encoding import torch_dtype, torch_dtype_name
+from ..format.hashing import one_thread_per_hash
 from ..format.manifest import Manifest, TensorEntry
 from ..format.objects import decode_object
 from ..format.xor_codec import MAX_CHAIN
@@ -114,8 +115,18 @@ class CheckpointReader:
             return
         sizes = {d: e.size for d, e in self.manifest.objects.items()}
         total, done = sum(sizes.get(d, 0) for d in todo), 0
+        # With at least one object per thread the pool keeps every core busy; BLAKE3's own
+        # threads are for fewer, larger objects.
+        spread = len(todo) >= self.workers
+
+        def fetch(digest: str) -> memoryview:
+            if not spread:
+                return fetch_object(self.store, digest)
+            with one_thread_per_hash():
+                return fetch_object(self.store, digest)
+
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            for digest, raw in zip(todo, pool.map(lambda d: fetch_object(self.store, d), todo)):
+            for digest, raw in zip(todo, pool.map(fetch, todo)):
                 self._objects[digest] = raw
                 if progress is not None:
                     done += sizes.get(digest, 0)
