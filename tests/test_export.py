@@ -112,3 +112,20 @@ def test_int8_export_is_marked_lossy_and_within_its_error_bound(tmp_path):
         stepvault.ops.export_weights(
             stepvault.open(tmp_path / "s").store, "q", 1, tmp_path / "x", quantize="int4"
         )
+
+
+def test_export_of_a_run_at_step_reference_logs_on_the_run(store, tmp_path):
+    """``export_weights(store, "r@1", None)`` (the reference as one string, as the API
+    takes it from users) exports step 1 and records the event on run ``r``."""
+    from stepvault.catalog.events import read_events
+    from stepvault.ops.export import export_weights
+    from stepvault.store import Store
+
+    root, model = store
+    out = tmp_path / "ref.safetensors"
+    report = export_weights(Store.open(root), "r@1", None, out)
+    assert report.step == 1
+    loaded = load_file(out)
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    exports = [e for e in read_events(Store.open(root), "r") if e["event"] == "export"]
+    assert [(e["step"], e["output"]) for e in exports] == [(1, str(out))]

@@ -204,7 +204,7 @@ def export_weights(
     q = report.quantization or {}
     log_event(
         store,
-        ref_run,
+        chosen.run,  # ref_run may be "run@step" or an alias
         "export",
         step=report.step,
         output=os.fspath(out),
