@@ -409,3 +409,20 @@ def test_show_and_ls_mark_light(tmp_path):
     assert "max_abs" in next(iter(doc["light"]["tensors"].values()))["error"]
     listed = runner.invoke(app, ["--root", str(tmp_path), "ls", "r"])
     assert "light@2" in listed.output
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_manager_handle_of_a_first_light_save_says_full(tmp_path, async_save):
+    """The first light save has no base: it is written full, and the manager's handle,
+    its result and the manifest all say so (the handle said "light" before)."""
+    m, o = _fresh()
+    _train(m, o)
+    with CheckpointManager(tmp_path, "r", async_save=async_save) as mgr:
+        first = mgr.save(1, _state(m, o, 1), force=True, kind="light")
+        assert first is not None and first.kind == "full"
+        assert first.result().kind == "full"
+        _train(m, o)
+        second = mgr.save(2, _state(m, o, 2), force=True, kind="light")
+        assert second is not None and second.kind == "light" and second.result().kind == "light"
+    store = stepvault.open(tmp_path)
+    assert [store.manifest("r", s).kind for s in (1, 2)] == ["full", "light"]

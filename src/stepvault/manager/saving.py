@@ -47,6 +47,9 @@ class Staged:
     #: fields of its "save" event
     commit: Callable[[], tuple[SaveInfo, dict[str, Any]]]
     started: float = field(default_factory=time.perf_counter)
+    #: what is being written when it differs from the decision (a light save without a
+    #: base yet is written full)
+    kind: str | None = None
 
 
 class LocalWriter:
@@ -174,7 +177,7 @@ class LocalWriter:
             rate = info.throughput if math.isfinite(info.throughput) else None
             return info, {**fields, "throughput_bytes_per_s": rate}
 
-        return Staged(time.perf_counter() - t0, background, commit, started=t0)
+        return Staged(time.perf_counter() - t0, background, commit, started=t0, kind=manifest.kind)
 
     def close(self) -> None:
         self.staging.close()
@@ -284,7 +287,7 @@ class CollectiveWriter:
             info = SaveInfo.of_manifest(m, time.perf_counter() - t0, kind)
             return info, fields
 
-        return Staged(stall, background, commit, started=t0)
+        return Staged(stall, background, commit, started=t0, kind=kind)
 
     def close(self) -> None:
         if self.async_saver is not None:
@@ -367,7 +370,8 @@ class SavePipeline:
         )
         if staged is None:
             return None
-        handle = SaveHandle(step, decision.kind, decision.reason, staged.stall, staged.background)
+        kind = staged.kind or decision.kind
+        handle = SaveHandle(step, kind, decision.reason, staged.stall, staged.background)
 
         def job() -> SaveInfo:
             info, fields = staged.commit()
