@@ -356,3 +356,41 @@ def test_a_fresh_adam_run_prepares_again_once_its_moments_exist(tmp_path):
         assert handles[1] is None and handles[2] is None
         assert handles[3] is not None and handles[3].asynchronous
         mgr.wait()
+
+
+def test_moments_that_appear_while_the_first_preparation_runs_are_prepared_too(
+    tmp_path, monkeypatch
+):
+    """The restore() of a fresh run prepares for AdamW without moments; its preparation is
+    still running (a loaded machine) when the first steps' non-due saves see the moments.
+    Those requests are queued behind it, not dropped, so the first due save is still
+    asynchronous (a CI run failed this way through the Accelerate checkpointer)."""
+    release = threading.Event()
+    original = staging_area.StagingArea.prepare
+    calls = []
+
+    def slow_first(self, *args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            assert release.wait(30)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(staging_area.StagingArea, "prepare", slow_first)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optimizer": opt}
+    with CheckpointManager(tmp_path, "r", save=Every(steps=3), lineage=False) as mgr:
+        assert mgr.restore(state) is None
+        handles = {}
+        for step in range(1, 4):
+            model(torch.randn(2, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 3:
+                release.set()
+                mgr._staging.wait_prepared(30)
+            handles[step] = mgr.save(step, state)
+        assert handles[1] is None and handles[2] is None
+        assert handles[3] is not None and handles[3].asynchronous
+        assert len(calls) == 2  # the restore's preparation, then one for the moments
+        assert mgr.wait().step == 3

@@ -42,6 +42,8 @@ class StagingPool:
         self._lock = threading.Lock()
         self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepvault-staging")
         self._pending: Future | None = None
+        #: a prepare() asked for while a preparation ran: (arrays, signature, reserve)
+        self._follow_up: tuple[dict[str, Any], tuple, int] | None = None
         self._state_bytes: int | None = None
         self._closed = False
         #: most host memory held for staging at any time
@@ -81,22 +83,52 @@ class StagingPool:
             if self._closed:
                 return None
             self._state_bytes = state_bytes
-            todo = [a for a in self._free if not a.ready_for(signature)]
-            ready = any(a.ready_for(signature) for a in self._free)
-            if not ready and not todo and len(self._areas) < self.slots():
-                area = StagingArea(pin_memory=self.pin_memory)
-                self._areas.append(area)
-                self._free.append(area)
-                todo.append(area)
-            if not todo:
-                return None
-            # Taken out of the free list while they are prepared (acquire skips them).
-            for a in todo:
-                self._free.remove(a)
-            arrays = dict(arrays)  # keeps the tensors alive until their layout is read
-            job = self._preparer.submit(self._prepare, todo, arrays, signature, reserve)
-            self._pending = job
-            return job
+            job = self._pending
+            if job is not None and not job.done():
+                # The areas being prepared are out of the free list, so what this state
+                # needs is decided once that job is done (it may be for an older shape:
+                # an optimizer without its moments yet). Only the newest request counts.
+                first = self._follow_up is None
+                self._follow_up = (dict(arrays), signature, reserve)
+                if first:
+                    self._pending = self._preparer.submit(self._run_follow_up)
+                return self._pending
+            return self._submit_locked(arrays, signature, reserve)
+
+    def _run_follow_up(self) -> None:
+        with self._lock:
+            request, self._follow_up = self._follow_up, None
+            if request is None or self._closed:
+                return
+            arrays, signature, reserve = request
+            todo = self._select_locked(signature)
+        if todo:
+            self._prepare(todo, arrays, signature, reserve)
+
+    def _submit_locked(
+        self, arrays: dict[str, Any], signature: tuple, reserve: int
+    ) -> Future | None:
+        todo = self._select_locked(signature)
+        if not todo:
+            return None
+        arrays = dict(arrays)  # keeps the tensors alive until their layout is read
+        job = self._preparer.submit(self._prepare, todo, arrays, signature, reserve)
+        self._pending = job
+        return job
+
+    def _select_locked(self, signature: tuple) -> list[StagingArea]:
+        """The areas to prepare for ``signature``, taken out of the free list (acquire
+        skips them while they are prepared); the caller holds the lock."""
+        todo = [a for a in self._free if not a.ready_for(signature)]
+        ready = any(a.ready_for(signature) for a in self._free)
+        if not ready and not todo and len(self._areas) < self.slots():
+            area = StagingArea(pin_memory=self.pin_memory)
+            self._areas.append(area)
+            self._free.append(area)
+            todo.append(area)
+        for a in todo:
+            self._free.remove(a)
+        return todo
 
     def _prepare(
         self, areas: list[StagingArea], arrays: dict[str, Any], signature: tuple, reserve: int

@@ -455,9 +455,16 @@ class CheckpointManager:
 
     def _prepare_soon(self, state: Mapping[str, Any]) -> None:
         # Until buffers are ready (and not while a preparation runs): a non-due save()
-        # or a restore() is the manager's first sight of the state.
-        again = self._staging.ready and not self._prepared_final and not still_growing(state)
-        if (not self._staging.ready or again) and not self._staging.preparing:
+        # or a restore() is the manager's first sight of the state. Once the state has
+        # its final shape (an optimizer's moments appear at its first step), once more,
+        # even while an earlier preparation runs: the pool queues it behind that one.
+        first = not self._staging.ready and not self._staging.preparing
+        again = (
+            (self._staging.ready or self._staging.preparing)
+            and not self._prepared_final
+            and not still_growing(state)
+        )
+        if first or again:
             try:
                 self._prepare(state, implicit=True)
             except (TypeError, ValueError):
