@@ -426,3 +426,45 @@ def test_manager_handle_of_a_first_light_save_says_full(tmp_path, async_save):
         assert second is not None and second.kind == "light" and second.result().kind == "light"
     store = stepvault.open(tmp_path)
     assert [store.manifest("r", s).kind for s in (1, 2)] == ["full", "light"]
+
+
+def test_async_light_save_builds_its_deltas_from_the_staged_copy_off_the_training_thread(
+    tmp_path, monkeypatch
+):
+    """An asynchronous light save stalls only for the memory copy: the deltas are encoded
+    on the writer thread, from the copy taken when save() was called (the live weights
+    are changed before the encoder runs, and the checkpoint does not see it)."""
+    import threading
+
+    import stepvault.core.light as core_light
+
+    m, o = _fresh()
+    _train(m, o)
+    gate, threads = threading.Event(), []
+    real = core_light.encode_light_delta
+
+    def encode(held, new, **kw):
+        threads.append(threading.current_thread())
+        assert gate.wait(10)  # the training thread changes the weights first
+        return real(held, new, **kw)
+
+    with CheckpointManager(tmp_path, "r", async_save=True) as mgr:
+        mgr.save(1, _state(m, o, 1), force=True).result()
+        _train(m, o)
+        mgr.prepare(_state(m, o, 2), wait=True)
+        saved = {k: v.clone() for k, v in m.state_dict().items()}
+        monkeypatch.setattr(core_light, "encode_light_delta", encode)
+        handle = mgr.save(2, _state(m, o, 2), force=True, kind="light")
+        assert handle is not None and handle.asynchronous
+        with torch.no_grad():
+            m.a.weight.add_(1000.0)  # training goes on while the save is written
+        gate.set()
+        assert handle.result().kind == "light" and handle.kind == "light"
+    assert threads and threading.main_thread() not in threads
+    m2, o2 = _fresh()
+    with CheckpointManager(tmp_path, "r", resume_from_light=True) as mgr:
+        info = mgr.restore(_state(m2, o2, 0))
+    assert info.step == 2 and info.lossy
+    err = (m2.a.weight - saved["a.weight"]).abs().max().item()
+    assert err < 0.05, err  # the staged values, not the +1000 ones
+    assert torch.equal(m2.count, saved["count"])

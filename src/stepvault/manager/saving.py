@@ -20,16 +20,17 @@ import torch
 
 from ..catalog.attachments import add_attachments
 from ..core.info import SaveInfo
-from ..core.light import light_host
+from ..core.light import light_arrays, light_host
 from ..core.values import encode_metrics
 from ..core.write import new_manifest, write_manifest
 from ..engine import to_host
 from ..engine.background import BackgroundWriter
+from ..engine.staging import HostArray, from_bytes
 from ..engine.staging_pool import StagingPool
 from ..errors import StepvaultError
 from ..format import Manifest, parse_manifest
 from ..policy import SaveDecision
-from ..state.snapshot import take_snapshot, weights_only
+from ..state.snapshot import Snapshot, take_snapshot, weights_only
 from .session import RunSession
 from .stats import SaveHandle
 
@@ -89,6 +90,16 @@ class LocalWriter:
             self.session.event("staging_over_budget", step=step, budget=budget)
         return area
 
+    def _light_from_staged(
+        self, manifest: Manifest, snapshot: Snapshot, host: dict[str, HostArray]
+    ) -> dict[str, HostArray]:
+        """The arrays of a light save, built from its staged copy (writer thread)."""
+        staged = {n: from_bytes(h.kind, h.dtype, h.shape, h.data) for n, h in host.items()}
+        copy = Snapshot(snapshot.state, snapshot.kinds, staged)
+        arrays = light_arrays(self.session.store, manifest, copy, self.session.options.light)
+        # Exact entries stay views of the staging area, held until the write is done.
+        return {n: to_host(v) for n, v in arrays.items()}
+
     def stage(
         self,
         step: int,
@@ -120,10 +131,13 @@ class LocalWriter:
             )
             add_attachments(s.store, manifest, attachments)  # small files, written now
             light = None
-            if decision.kind == "light":
+            if decision.kind == "light" and not background:
                 light = light_host(s.store, manifest, snapshot, s.options.light)
             background_wanted = background and light is None
             area = self._area(step, snapshot.arrays) if background_wanted else None
+            # An asynchronous light save stages the whole state like a full one (the only
+            # stall: a memory copy) and builds its deltas from that copy on the writer thread.
+            light_later = area is not None and decision.kind == "light"
             if light is not None:
                 host = light  # own copies: the write may still run in the background
             elif area is not None:
@@ -132,6 +146,10 @@ class LocalWriter:
                 except BaseException:
                     self.staging.release(area)
                     raise
+            elif decision.kind == "light" and (
+                light := light_host(s.store, manifest, snapshot, s.options.light)
+            ):  # no ready buffers: the deltas (own copies) now, the write in the background
+                host = light
             else:
                 if background:  # no ready buffers: this one save is synchronous
                     background = False
@@ -146,16 +164,17 @@ class LocalWriter:
             try:
                 if area is not None:
                     area.wait_copied()  # device-to-host copies done (at once on CPU)
+                out = self._light_from_staged(manifest, snapshot, host) if light_later else host
                 mem_info, fields = None, {}
                 if self.mem is not None:  # into node memory first (.mem_saving)
-                    mem_info, fields = self.mem.save(manifest, host, urgent=decision.urgent)
+                    mem_info, fields = self.mem.save(manifest, out, urgent=decision.urgent)
                 if mem_info is not None and not self.mem.wants_disk(step, decision.urgent):
                     rate = mem_info.throughput if math.isfinite(mem_info.throughput) else None
                     return mem_info, {**fields, "tier": "mem", "throughput_bytes_per_s": rate}
                 info = write_manifest(
                     s.store,
                     manifest,
-                    host,
+                    out,
                     codec=s.options.codec,
                     overwrite=True,
                     workers=s.options.workers,

@@ -15,12 +15,22 @@ class SaveHandle:
     """A save the manager started. ``result()`` waits for it and returns its SaveInfo."""
 
     step: int
-    kind: str
+    planned_kind: str  # the kind known when the save started (see ``kind``)
     reason: str
     stall_seconds: float
     asynchronous: bool
     _future: Future | None = None
     _info: SaveInfo | None = None
+
+    @property
+    def kind(self) -> str:
+        """The kind written: once the save committed, its ``SaveInfo.kind`` (a light save
+        of an asynchronous manager learns on the writer thread whether its base exists);
+        before that, the kind planned when it started."""
+        future = self._future
+        if self._info is None and future is not None and future.done() and not future.exception():
+            self._info = future.result()
+        return self._info.kind if self._info is not None else self.planned_kind
 
     def done(self) -> bool:
         return self._future is None or self._future.done()
