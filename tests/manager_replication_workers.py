@@ -52,28 +52,37 @@ def task_train(rank, world, mem, out, arg):
         _train(state, step)
         handle = mgr.save(step, state)
         assert handle is not None
-        if step == 3:  # the expected disk checkpoint (its save committed: wait)
+        if step in (3, 4):  # the expected checkpoints (their saves committed: wait)
             mgr.wait()
-            torch.save(flat(state), out / f"expected3_{rank}.pt")
+            torch.save(flat(state), out / f"expected{step}_{rank}.pt")
     mgr.wait()
     mgr._restorer.memory.replicator.wait()  # replicas written before the kill
     torch.save(flat(state), out / f"expected5_{rank}.pt")
     # no close(): SIGKILLed by the harness with everything in memory
 
 
-def task_resume(rank, world, mem, out, arg):
-    """Restart through the manager: restore ``latest``; check it bitwise against step
-    ``arg``; train one more step and save it (step 6: due on disk), close."""
-    mgr = _manager(mem, out)
-    state = _state(fresh=True)
-    info = mgr.restore(state)
-    assert info is not None
-    expected = torch.load(out / f"expected{arg}_{rank}.pt", weights_only=True)
+def _check(state: dict, out: Path, step: int, rank: int, info) -> None:
+    expected = torch.load(out / f"expected{step}_{rank}.pt", weights_only=True)
     got = flat(state)
     assert expected.keys() == got.keys()
     for key, value in expected.items():
         assert torch.equal(got[key], value), (key, info.step, info.tier)
     assert state["extra"] == {"seen": 16 * info.step}  # plain values come back too
+
+
+def task_resume(rank, world, mem, out, arg):
+    """Restart through the manager: restore step 4 by number (only in memory), then
+    ``latest``; check both bitwise (the latter against step ``arg``); train one more step
+    and save it (step 6: due on disk), close."""
+    mgr = _manager(mem, out)
+    state = _state(fresh=True)
+    by_step = mgr.restore(state, step=4)
+    assert by_step is not None and by_step.step == 4
+    _check(state, out, 4, rank, by_step)
+    state = _state(fresh=True)
+    info = mgr.restore(state)
+    assert info is not None
+    _check(state, out, int(arg), rank, info)
     _train(state, info.step + 1)
     mgr.save(info.step + 1, state, force=True)
     mgr.wait()
@@ -87,6 +96,7 @@ def task_resume(rank, world, mem, out, arg):
         {
             "step": info.step,
             "tier": info.tier,
+            "step4_tier": by_step.tier,
             "event": {k: restores[-1].get(k) for k in ("step", "tier", "rank_tiers")},
             "mem_left": sorted(p.name for p in mem.iterdir()) if mem.exists() else [],
         },

@@ -22,6 +22,7 @@ from stepvault.catalog.events import read_events
 from stepvault.distributed.nodes import NodeLayout
 from stepvault.distributed.replication import rank_run
 from stepvault.errors import StepvaultError
+from stepvault.format import parse_manifest
 from stepvault.store import Store
 
 
@@ -78,6 +79,24 @@ def test_wiped_node_resumes_bitwise_from_its_buddys_memory(tmp_path, world):
         assert restores[-1]["step"] == 3 and restores[-1]["seconds"] > 0
         if wiped:  # the fetched copy now lives in the new node's memory again
             assert own.list_steps(rank_run("r", rank)) == [3]
+
+
+def test_a_damaged_own_copy_is_fetched_again_from_the_buddy(tmp_path):
+    """A flipped byte in node n0's own memory copy of step 3: rank 0 fetches step 3 again
+    from n1's replica instead of every rank falling back to step 2 (bitwise, tier peer)."""
+    mem, out = tmp_path / "mem", tmp_path / "out"
+    _spawn(2, "train_save", mem, out)
+    own = Store.open(mem / "n0" / "own")
+    step3 = parse_manifest(own.read_manifest(rank_run("r", 0), 3), "r@3").objects
+    files = {p.name: p for p in (mem / "n0" / "own" / "objects").rglob("*") if p.is_file()}
+    victim = max((files[d] for d in step3 if d in files), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    _spawn(2, "resume", mem, out)  # checks the state bitwise against step 3's
+    infos = [json.loads((out / f"info{rank}.json").read_text()) for rank in (0, 1)]
+    assert infos == [{"step": 3, "tier": "peer"}, {"step": 3, "tier": "mem"}]
+    assert stepvault.verify(own.backend.url, deep=True).ok  # repaired in place
 
 
 def test_a_replica_over_the_memory_budget_is_skipped_and_says_so(tmp_path):

@@ -294,9 +294,13 @@ class Replicator:
 
     def all_ok(self, ok: bool) -> bool:
         """Collective: whether every rank reports ``ok``."""
+        return all(self.gather(ok))
+
+    def gather(self, flag: bool) -> list[bool]:
+        """Collective: every rank's ``flag``, by rank (on the replication group)."""
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, bool(ok), group=self.group)
-        return all(gathered)
+        dist.all_gather_object(gathered, bool(flag), group=self.group)
+        return [bool(g) for g in gathered]
 
 
 def _safe(node: str) -> str:

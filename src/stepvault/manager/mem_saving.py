@@ -218,11 +218,14 @@ def open_for_manager(session_store: Any, run: str, target: Any, budget: int | No
 
 def start_mem_tier(session: RunSession, mem: MemTier, writer: Any, owner: bool) -> None:
     """Claim the mem tier for this process (the lease holder) and reclaim stale mem tiers
-    of dead jobs under the same root; a collective (DCP) writer does not write into it."""
+    of dead jobs under the same root; a collective (DCP) writer does not write into it.
+    (Under a process group with replication, the first rank of every node has reclaimed
+    its node's already: ``rank_memory.RankMemory``.)"""
     from ..tiers.mem import reclaim_stale
 
     if owner:
         mem.claim()
+    if owner and getattr(getattr(writer, "mem", None), "replicator", None) is None:
         try:
             for gone in reclaim_stale(mem.root):
                 session.event("mem_reclaimed", path=gone.path, reason=gone.reason)

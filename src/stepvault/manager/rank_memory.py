@@ -14,7 +14,9 @@ that some rank could not put into memory (all ranks agree, so DCP stays collecti
 A restore of ``"latest"`` first asks :func:`~stepvault.core.peer_restore.
 restore_from_memory` (own memory, else the buddy's; every rank the same step, verified),
 never for a step older than the newest checkpoint on disk or object storage; when no such
-step is in memory on every rank, the collective restore from disk runs as before.
+step is in memory on every rank, the collective restore from disk runs as before. A
+restore of an explicit step reads it from memory the same way when every rank can get it
+there, else from disk.
 """
 
 from __future__ import annotations
@@ -33,11 +35,10 @@ from ..core.write import new_manifest
 from ..distributed.replication import Replicator, rank_run
 from ..distributed.state import has_dtensor
 from ..engine import to_host
-from ..engine.gc import sweep
 from ..format import Manifest
 from ..policy import SaveDecision
 from ..state.snapshot import take_snapshot
-from ..tiers.mem import MemTier, mem_dir, open_mem_tier
+from ..tiers.mem import MemTier, mem_dir, open_mem_tier, reclaim_stale, write_owner
 from .mem_saving import MemSaver, _estimate
 from .session import RunSession
 
@@ -90,18 +91,43 @@ class RankMemory:
         self.cleanup = cleanup
         self.node_mem = node_mem  # the node's mem tier of the run: unused under a group
         self.peers_root = mem_dir(node_mem.root, session.store, session.run) + "+peers"
-        with self.tier.lock:  # what a killed predecessor left half-written
-            sweep(self.tier.store, grace_seconds=0)
+        # Owned by this rank (listing and the stale rule see it; the steps on disk that
+        # decide staleness are the collective run's); what a killed predecessor left
+        # half-written is dropped.
+        self.tier.claim(disk_run=session.run)
         # The node's memory budget: half for the replicas it holds, half for its ranks'
         # own copies (split among them), so the node's total never exceeds mem_budget.
         self.replicator = Replicator(
             self.tier.store, self.peers_root, budget_bytes=max(1, node_mem.budget // 2)
         )
-        local = self.replicator.layout.nodes.count(self.replicator.layout.nodes[self.rank])
+        layout = self.replicator.layout
+        local = layout.nodes.count(layout.nodes[self.rank])
         self.tier.budget = node_mem.budget // (2 * local)
+        if layout.local_ranks[self.rank] == 0:
+            # The node's replica directory has one owner, its first rank. Every rank of
+            # this job on the node has claimed its own tier before the layout was
+            # gathered (collective), so the reclaim that follows never takes one of ours.
+            write_owner(
+                self.peers_root,
+                session.store,
+                session.run,
+                node_mem.budget // 2,
+                kind="peers",
+            )
+            node_mem.claim()  # the node's tier of the run (unused under a group) too
+            self._reclaim_stale(node_mem.root)
         #: where each rank's last memory restore came from ("mem"/"peer"), by rank
         self.last_tiers: list[Any] = []
         self._buffers: dict[str, torch.Tensor] = {}  # host copies, reused between saves
+
+    def _reclaim_stale(self, root: str) -> None:
+        """Remove the stale mem directories of dead jobs under this node's mem root (the
+        rule of :func:`~stepvault.tiers.mem.reclaim_stale`)."""
+        try:
+            for gone in reclaim_stale(root):
+                self.saver.session.event("mem_reclaimed", path=gone.path, reason=gone.reason)
+        except OSError:
+            pass  # another job's directory we cannot read: left alone
 
     # -- saving ---------------------------------------------------------------------------
     def stage(
@@ -166,10 +192,15 @@ class RankMemory:
 
     # -- restoring ------------------------------------------------------------------------
     def restore(
-        self, state: MutableMapping[str, Any], newest_on_disk: int | None
+        self,
+        state: MutableMapping[str, Any],
+        newest_on_disk: int | None,
+        *,
+        step: int | None = None,
     ) -> RestoreInfo | None:
         """Collective: this rank's newest memory checkpoint that every rank can get (own or
-        buddy memory), not older than ``newest_on_disk``; None: restore from disk."""
+        buddy memory), not older than ``newest_on_disk`` (or exactly ``step``); None:
+        restore from disk."""
         from ..core.peer_restore import restore_from_memory
 
         self.replicator.wait()
@@ -179,6 +210,7 @@ class RankMemory:
             run=self.session.run,
             workers=self.session.options.workers,
             min_step=newest_on_disk,
+            step=step,
         )
         if info is not None:  # all ranks or none restored (they agreed on the step)
             tiers: list[Any] = [None] * dist.get_world_size()

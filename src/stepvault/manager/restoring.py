@@ -25,7 +25,7 @@ class ManagerRestorer:
     def __init__(self, session: RunSession, best: list[tuple[str, str]]) -> None:
         self.session = session
         self.best = best
-        #: a RankMemory (.rank_memory): "latest" is first restored from node memory
+        #: a RankMemory (.rank_memory): "latest" or a step is first restored from node memory
         self.memory: Any = None
         #: the restore's progress: a callback, True/False, or None (a bar on a terminal
         #: when reading from a remote tier), as in :func:`stepvault.restore`
@@ -62,10 +62,13 @@ class ManagerRestorer:
         s = self.session
         t0 = time.perf_counter()
         candidates, fallback = self.candidates(step)
-        if self.memory is not None and step == "latest":
-            info = self.memory.restore(state, max(candidates) if candidates else None)
+        if self.memory is not None and step != "best":
+            if step == "latest":
+                info = self.memory.restore(state, max(candidates) if candidates else None)
+            else:  # that step, from memory when every rank can get it there
+                info = self.memory.restore(state, None, step=validate_step(step))
             if info is not None:  # own or the buddy's memory; every rank the same step
-                return self._restored_from_memory(info, t0)
+                return self._restored_from_memory(info, t0, str(step))
         if not candidates:
             s.event("restore", step=None, result="fresh start")
             return None
@@ -109,7 +112,7 @@ class ManagerRestorer:
         )
         return info
 
-    def _restored_from_memory(self, info: RestoreInfo, t0: float) -> RestoreInfo:
+    def _restored_from_memory(self, info: RestoreInfo, t0: float, requested: str) -> RestoreInfo:
         s = self.session
         info.tier_bytes = {str(info.tier): info.bytes_read}
         s.stats.restored(True, len(info.skipped))
@@ -118,7 +121,7 @@ class ManagerRestorer:
         s.event(
             "restore",
             step=info.step,
-            requested="latest",
+            requested=requested,
             skipped=[{"step": k.step, "reason": k.reason} for k in info.skipped],
             seconds=time.perf_counter() - t0,
             bytes_read=info.bytes_read,

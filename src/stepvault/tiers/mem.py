@@ -6,7 +6,10 @@ It is an ordinary stepvault store (objects, then the manifest by atomic rename) 
 directory ``<mem root>/<store key>-<run>``: the key is derived from the hot store (its URL
 and creation time), so two jobs never share one, and a restarted job finds its own. The
 directory holds ``owner.json`` (pid, host, hot store URL, run) so that a stale mem tier of
-a dead job can be reclaimed (:func:`reclaim_stale`).
+a dead job can be reclaimed (:func:`reclaim_stale`). Under a process group each rank owns
+``<key>-<run>+rank<r>`` and the node's ranks share ``<key>-<run>+peers`` (the replicas it
+keeps for its buddy node); both carry an owner record too, so listing and reclaiming see
+them (``manager/rank_memory.py``).
 
 The memory budget is never exceeded: before a commit the writer asks :meth:`MemTier.
 make_room` for the save's size (an upper bound: the raw bytes plus headers), which evicts
@@ -16,6 +19,7 @@ to mem (the caller writes it to disk and logs an event).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -110,19 +114,14 @@ class MemTier:
             ) from exc
 
     # -- ownership ---------------------------------------------------------------------
-    def claim(self) -> None:
+    def claim(self, disk_run: str | None = None) -> None:
         """Record this process as the owner (a restarted job takes over its mem tier) and
-        drop what a killed writer left behind: temp files and unreferenced objects."""
-        record = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "hot": self.hot.backend.url,
-            "run": self.run,
-            "budget": self.budget,
-            "claimed": time.time(),
-        }
-        data = (json.dumps(record, sort_keys=True) + "\n").encode()
-        self.store.backend.put_atomic(OWNER_KEY, [data], overwrite=True)
+        drop what a killed writer left behind: temp files and unreferenced objects.
+
+        ``disk_run``: the run in the hot store whose lease and checkpoints decide when this
+        tier is stale (a rank's own tier under a process group holds ``run+rank<r>``,
+        whose steps are the collective run's on disk); default: the tier's own run."""
+        write_owner(self.path, self.hot, self.run, self.budget, disk_run=disk_run)
         with self.lock:
             sweep(self.store, grace_seconds=0)  # the run's lease is ours: no writer races
 
@@ -196,6 +195,33 @@ class MemTier:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
+def write_owner(
+    path: str,
+    hot: Store,
+    run: str,
+    budget: int | None,
+    *,
+    disk_run: str | None = None,
+    kind: str = "own",
+) -> None:
+    """Write ``owner.json`` into the mem directory ``path``: this process (pid, host) owns
+    it for ``run`` of ``hot``; ``kind`` is ``"own"`` (a store of the run's checkpoints) or
+    ``"peers"`` (replicas of other nodes' ranks, ``peers/<node>/rank<l>`` stores)."""
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "hot": hot.backend.url,
+        "run": run,
+        "disk_run": disk_run or run,
+        "kind": kind,
+        "budget": budget,
+        "claimed": time.time(),
+    }
+    data = (json.dumps(record, sort_keys=True) + "\n").encode()
+    os.makedirs(path, exist_ok=True)
+    LocalBackend(path).put_atomic(OWNER_KEY, [data], overwrite=True)
+
+
 def open_mem_tier(
     hot: Store, run: str, *, root: str | None = None, budget: int | None = None
 ) -> MemTier:
@@ -245,7 +271,7 @@ def _staleness(owner: dict[str, Any], steps: list[int]) -> tuple[bool, str]:
         return False, "owned by another host"
     if isinstance(pid, int) and pid_alive(pid):
         return False, f"owner pid {pid} is alive"
-    hot_url, run = owner.get("hot"), owner.get("run")
+    hot_url, run = owner.get("hot"), owner.get("disk_run") or owner.get("run")
     try:
         hot = Store.open(str(hot_url))
     except (StepvaultError, OSError):
@@ -278,12 +304,7 @@ def list_mem_tiers(root: str | None = None) -> list[MemTierInfo]:
         except (OSError, ValueError):
             owner = {}
         run = owner.get("run")
-        steps: list[int] = []
-        try:
-            if run:
-                steps = Store.open(LocalBackend(path)).list_steps(run)
-        except (StepvaultError, OSError):
-            pass
+        steps = _held_steps(path, owner)
         stale, reason = _staleness(owner, steps) if owner else (True, "no owner record")
         out.append(
             MemTierInfo(
@@ -300,6 +321,26 @@ def list_mem_tiers(root: str | None = None) -> list[MemTierInfo]:
             )
         )
     return out
+
+
+def _held_steps(path: str, owner: dict[str, Any]) -> list[int]:
+    """The steps the mem directory ``path`` holds: of its own store, or of every replica
+    store under ``peers/<node>/rank<l>`` (a ``"peers"`` directory; step numbers are the
+    collective run's). A store that cannot be read counts as holding nothing."""
+    if owner.get("kind") == "peers":
+        stores = sorted(p for p in glob.glob(os.path.join(path, "peers", "*", "*")))
+    else:
+        stores = [path]
+    steps: set[int] = set()
+    for folder in stores:
+        try:
+            store = Store.open(LocalBackend(folder))
+            runs = [owner["run"]] if owner.get("kind") != "peers" else store.list_runs()
+            for run in runs:
+                steps.update(store.list_steps(run))
+        except (StepvaultError, OSError, KeyError):
+            continue
+    return sorted(steps)
 
 
 def reclaim_stale(root: str | None = None, *, dry_run: bool = False) -> list[MemTierInfo]:
