@@ -107,6 +107,38 @@ def test_sigkill_resumes_from_memory_bitwise(tmp_path, reference):
 
 
 # ------------------------------------------------------------------------------- budget
+def test_copy_every_minutes_sends_one_save_per_interval_to_disk(tmp_path):
+    """CopyEvery("hot", minutes=10): every save goes to memory; the first goes to disk, then
+    the first at least 10 minutes after the last one on disk (a fake wall clock); a
+    restarted manager counts from the newest checkpoint on disk."""
+    mem, clock = tmp_path / "shm", [1_000_000.0]
+    opts = dict(tiers={"mem": str(mem)}, tier_policy=CopyEvery("hot", minutes=10))
+    m = _model(32)
+    with CheckpointManager(tmp_path / "ck", "r", mem_cleanup=False, **opts) as mgr:
+        mgr._mem_saver.clock = lambda: clock[0]
+        for step in range(1, 9):  # one save per 4 minutes
+            mgr.save(step, {"model": m}, force=True)
+            mgr.wait()
+            clock[0] += 240
+        assert mgr.store.list_steps("r") == [1, 4, 7]  # at 0, 12 and 24 minutes
+        assert mgr.mem_tier.steps() == list(range(1, 9))
+        assert mgr.latest_step == 8  # only in memory, and what a restore would take
+        tiers = {e["step"]: e["tier"] for e in _events(mgr) if e["event"] == "save"}
+        assert tiers[2] == "mem" and tiers[4] == "mem+hot"
+    assert Store.open(tmp_path / "ck").list_steps("r") == [1, 4, 7, 8]  # close flushed 8
+    with CheckpointManager(tmp_path / "ck", "r", **opts) as again:
+        newest = again.store.list_steps("r")[-1]
+        created = next(r.created for r in again._session.records() if r.step == newest)
+        again._mem_saver.clock = lambda: created + 300  # 5 minutes after it: memory only
+        again.save(10, {"model": m}, force=True)
+        again.wait()
+        assert again.store.list_steps("r") == [1, 4, 7, 8]
+        again._mem_saver.clock = lambda: created + 601
+        again.save(11, {"model": m}, force=True)
+        again.wait()
+        assert again.store.list_steps("r")[-1] == 11
+
+
 def test_budget_is_never_exceeded_and_a_too_big_save_goes_to_disk(tmp_path):
     mem = tmp_path / "shm"
     budget = 700_000  # room for two or three 256x256 float32 states (~260 KB each)

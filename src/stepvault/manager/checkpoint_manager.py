@@ -544,8 +544,9 @@ class CheckpointManager:
 
     @property
     def latest_step(self) -> int | None:
-        """Newest committed step (of any kind), or None."""
-        steps = self.store.list_steps(self.run)
+        """Newest committed step (of any kind) in any tier, or None: a step only in the
+        mem tier or only in a cold tier counts (a restore would find it)."""
+        steps = self._session.view.list_steps(self.run)
         return steps[-1] if steps else None
 
     @property

@@ -7,9 +7,10 @@ after a process crash), then, unless the policy says this step stays in memory o
 the hot store on disk exactly as without a mem tier. Which saves go to disk:
 
 * every save, by default (turning the mem tier on loses nothing);
-* with ``CopyEvery("hot", steps=n)`` in the tier policy, every ``n``-th step, plus every
-  urgent save (a preemption signal: the machine may go away) and every save that does not
-  fit the memory budget.
+* with ``CopyEvery("hot", steps=n)`` in the tier policy, every ``n``-th step (with
+  ``CopyEvery("hot", minutes=m)`` one save per ``m`` minutes), plus every urgent save (a
+  preemption signal: the machine may go away) and every save that does not fit the
+  memory budget.
 
 ``MemLast(k)`` (``HotLast(k, tier="mem")``) keeps the ``k`` newest mem copies; the budget
 evicts older ones first (those already on disk before those only in memory, each eviction
@@ -20,6 +21,7 @@ then (``mem_cleanup=True``) the mem tier is removed.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,22 +52,39 @@ class MemCommit:
 MemHook = Callable[[MemCommit], None]
 
 
-def mem_rules(policy: TierPolicy | None) -> tuple[int | None, int | None]:
-    """``(k of MemLast(k), n of CopyEvery("hot", steps=n))`` found in ``policy``."""
+@dataclass(frozen=True)
+class MemRules:
+    """What the tier policy says about the mem tier: ``keep`` (k of ``MemLast(k)``), and
+    which saves also go to disk: every ``disk_every``-th step, or one per
+    ``disk_interval`` seconds (``CopyEvery("hot", steps=n | minutes=m)``); neither: all."""
+
     keep: int | None = None
     disk_every: int | None = None
+    disk_interval: float | None = None
+
+
+def mem_rules(policy: TierPolicy | None) -> MemRules:
+    """The :class:`MemRules` found in ``policy``."""
+    keep: int | None = None
+    disk_every: int | None = None
+    interval: float | None = None
     members = policy.policies if isinstance(policy, TierAny) else (policy,)
     for p in members:
         if isinstance(p, HotLast) and p.tier == "mem":
             keep = p.k if keep is None else max(keep, p.k)
         elif isinstance(p, CopyEvery) and p.tier == "hot":
-            if p.steps is None:
+            if (p.steps is not None and interval is not None) or (
+                p.interval is not None and disk_every is not None
+            ):
                 raise ValueError(
-                    "CopyEvery('hot', ...) (which saves also go to disk, with a mem tier) "
-                    "takes steps=n; a time interval is not supported for it"
+                    "CopyEvery('hot', ...) appears with steps= and with a time interval; "
+                    "give one of them (which saves also go to disk, with a mem tier)"
                 )
-            disk_every = p.steps
-    return keep, disk_every
+            if p.steps is not None:
+                disk_every = p.steps
+            else:
+                interval = p.interval
+    return MemRules(keep, disk_every, interval)
 
 
 def _estimate(host: dict[str, Any], chunk_size: int) -> int:
@@ -90,13 +109,37 @@ class MemSaver:
     ) -> None:
         self.session = session
         self.mem = mem
-        self.keep, self.disk_every = mem_rules(policy)
+        rules = mem_rules(policy)
+        self.keep, self.disk_every, self.disk_interval = (
+            rules.keep,
+            rules.disk_every,
+            rules.disk_interval,
+        )
         self.cleanup = cleanup
         #: ``hook(MemCommit)`` after each mem commit (replication plugs in here)
         self.hooks: list[MemHook] = []
+        #: wall time of the newest save sent to disk (None: read from the hot store)
+        self._last_disk: float | None = None
+        self.clock: Callable[[], float] = time.time  # wall clock of the time interval
 
-    def wants_disk(self, step: int, urgent: bool) -> bool:
-        return self.disk_every is None or urgent or step % self.disk_every == 0
+    def wants_disk(self, step: int, urgent: bool, now: float | None = None) -> bool:
+        """Whether the save of ``step`` also goes to disk (see :class:`MemRules`). With a
+        time interval, the first save at least that long after the newest checkpoint on
+        disk does (a resumed run counts from its newest one); deciding so starts the next
+        interval."""
+        if urgent or (self.disk_every is None and self.disk_interval is None):
+            return True
+        if self.disk_every is not None:
+            return step % self.disk_every == 0
+        assert self.disk_interval is not None
+        now = self.clock() if now is None else now
+        if self._last_disk is None:
+            records = self.session.records()
+            self._last_disk = max((r.created for r in records), default=-math.inf)
+        if now - self._last_disk < self.disk_interval:
+            return False
+        self._last_disk = now
+        return True
 
     def save(
         self, manifest: Manifest, host: dict[str, Any], *, urgent: bool

@@ -171,9 +171,12 @@ class RankMemory:
             self.saver.session.event(
                 "mem_save_failed", step=step, error=f"{type(exc).__name__}: {exc}"
             )
+        # Every rank the same answer (DCP is collective): rank 0's clock decides a time
+        # interval of CopyEvery("hot", minutes=m).
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, staged is not None)
-        disk = not all(everyone) or self.saver.wants_disk(step, decision.urgent)
+        wants = self.saver.wants_disk(step, decision.urgent)
+        dist.all_gather_object(everyone, (staged is not None, wants))
+        disk = not all(ok for ok, _ in everyone) or bool(everyone[0][1])
         return staged, disk
 
     def commit(
@@ -256,6 +259,10 @@ class _RankSession:
         self.store = session.store
         self.run = session.run  # steps on disk are the collective run's
         self.rank_run = run
+
+    def records(self) -> list[Any]:
+        """The collective run's checkpoints on disk."""
+        return self._session.records()
 
     def event(self, event: str, **fields: Any) -> None:
         if self._session.scope.coordinator:
