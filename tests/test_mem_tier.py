@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 import stepvault
 from stepvault import CheckpointManager
 from stepvault.catalog.events import read_events
+from stepvault.format import parse_manifest
 from stepvault.store import Store
 from stepvault.tiers import CopyEvery, MemLast
 from stepvault.tiers.mem import list_mem_tiers, mem_dir, reclaim_stale
@@ -137,6 +138,43 @@ def test_copy_every_minutes_sends_one_save_per_interval_to_disk(tmp_path):
         again.save(11, {"model": m}, force=True)
         again.wait()
         assert again.store.list_steps("r")[-1] == 11
+
+
+def test_plain_restore_reads_this_nodes_mem_tier_first(tmp_path):
+    """After a crash the newest step may be only in memory: ``stepvault.restore`` finds the
+    run's mem tier on this node (as the manager does), verified; ``mem=False`` reads disk;
+    ``latest_step`` of a manager counts the step in memory."""
+    mem, hot = tmp_path / "shm", tmp_path / "ck"
+    m = _model(64)
+    mgr = CheckpointManager(
+        hot, "r", tiers={"mem": str(mem)}, tier_policy=CopyEvery("hot", steps=3), lineage=False
+    )
+    expected = {}
+    for step in range(1, 5):
+        with torch.no_grad():
+            m.weight.add_(1.0)
+        mgr.save(step, {"model": m}, force=True)
+        mgr.wait()
+        expected[step] = m.weight.detach().clone()
+    assert mgr.store.list_steps("r") == [3] and mgr.latest_step == 4
+    got = _model(64, seed=1)  # (the manager stays open: its process could have died)
+    info = stepvault.restore(hot, {"model": got}, run="r", mem=str(mem))
+    assert info.step == 4 and torch.equal(got.weight, expected[4])
+    info = stepvault.restore(hot, {"model": got}, run="r", mem=False)
+    assert info.step == 3 and torch.equal(got.weight, expected[3])
+    mem_store = mgr.mem_tier.store  # a damaged memory copy of step 4: step 3 instead
+    digests = parse_manifest(mem_store.read_manifest("r", 4), "r@4").objects
+    victim = max(
+        (p for p in Path(mgr.mem_tier.path, "objects").rglob("*") if p.name in digests),
+        key=lambda p: p.stat().st_size,
+    )
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    info = stepvault.restore(hot, {"model": got}, run="r", mem=str(mem))
+    assert info.step == 3 and torch.equal(got.weight, expected[3])
+    assert [k.step for k in info.skipped] == [4]
+    mgr.close()
 
 
 def test_budget_is_never_exceeded_and_a_too_big_save_goes_to_disk(tmp_path):

@@ -225,6 +225,7 @@ def restore(
     assign: bool = False,
     progress: bool | ProgressFn | None = None,
     resume_from_light: bool = False,
+    mem: bool | str = True,
 ) -> RestoreInfo | None:
     """Load checkpoint ``run@step`` into the live objects of ``state``.
 
@@ -252,6 +253,12 @@ def restore(
     True for a bar on stderr, False for none; None (default) draws a bar when the store (or
     a tier it reads from) is remote and stderr is a terminal.
 
+    ``mem``: when this node holds the run's mem tier (a manager with ``tiers={"mem":
+    ...}`` committed there; after a crash its newest steps may be only in memory), read it
+    first, as the manager does: True looks under the default mem root
+    (``$STEPVAULT_MEM_ROOT`` or ``/dev/shm/stepvault``), a path names the root, False
+    reads the store's own tiers only.
+
     Returns None when the run has no checkpoint and ``missing_ok`` is true (a fresh start).
     Under a process group every rank calls it; a checkpoint saved on N ranks loads on M.
     """
@@ -265,9 +272,11 @@ def restore(
         if missing_ok:
             return None
         raise
-    from ..tiers.view import read_view, read_workers, with_copies
+    from ..tiers.view import read_view, read_workers, with_copies, with_mem_tier
 
     store = read_view(store)  # a store with cold tiers restores from any tier, hot first
+    if mem is not False:  # this node's memory first, when it holds the run's mem tier
+        store = with_mem_tier(store, run, None if mem is True else str(mem))
     planner = RestorePlanner(store, run, workers=workers or read_workers(store))
     with restore_progress(progress, store, f"restore {run}") as report:
         planner.progress = report

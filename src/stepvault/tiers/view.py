@@ -192,6 +192,32 @@ class TieredView(Store):
     pin = unpin = ensure_run = _read_only
 
 
+def with_mem_tier(store: Store, run: str, mem_root: str | None = None) -> Store:
+    """``store``, or a view that reads ``run``'s mem tier on this node first: what a
+    manager with ``tiers={"mem": ...}`` committed into node memory (after a crash the
+    newest steps may be only there). ``mem_root``: default ``$STEPVAULT_MEM_ROOT`` or
+    ``/dev/shm/stepvault``. Every object read from it is verified like any tier's."""
+    import os
+
+    from ..store import LocalBackend
+    from .mem import default_mem_root, mem_dir
+
+    hot = store.tiers.hot if isinstance(store, TieredView) else store
+    try:
+        root = os.path.abspath(mem_root) if mem_root else default_mem_root()
+        path = mem_dir(root, hot, run)
+        if not os.path.isdir(path):
+            return store
+        mem = Store.open(LocalBackend(path))
+        if not mem.list_steps(run):
+            return store
+    except (StepvaultError, OSError):
+        return store  # no readable mem tier here: the tiers as they are
+    view = store if isinstance(store, TieredView) else TieredView(Tiers.of(store))
+    view.add_source(MEM, mem, before=HOT)
+    return view
+
+
 def read_view(store: Store) -> Store:
     """``store`` itself, or a :class:`TieredView` over its tiers when it has cold tiers."""
     if isinstance(store, TieredView) or not store.backend.exists(TIERS_KEY):
