@@ -95,7 +95,7 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "tiers": ([], ["--size-mb", "8", "--steps", "20"]),
-    "mem": (["--repeats", "2"], ["--size-mb", "8", "--repeats", "1", "--no-s3"]),
+    "mem": (["--repeats", "3"], ["--size-mb", "8", "--repeats", "1", "--no-s3"]),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core")
 

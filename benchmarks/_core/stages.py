@@ -120,8 +120,8 @@ def restore_stages(
 
         decode = reader_mod.decode_object
 
-        def unverified(buf: Any, digest: str, *, verify: bool = True) -> Any:
-            return decode(buf, digest, verify=False)
+        def unverified(buf: Any, digest: str, *, verify: bool = True, **kw: Any) -> Any:
+            return decode(buf, digest, verify=False, **kw)  # kw: a delta's base reader
 
         reader_mod.decode_object = unverified
         try:
