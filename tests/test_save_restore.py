@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -314,3 +315,57 @@ def test_latest_of_a_training_state_passes_over_weights_only_checkpoints(tmp_pat
     stepvault.save(tmp_path / "w", {"model": model}, run="r", step=5, kind="weights")
     with pytest.raises(stepvault.NoValidCheckpointError, match="only weights-only"):
         stepvault.restore(tmp_path / "w", fresh, run="r")
+
+
+def _mapped_files_under(root) -> list[str]:
+    """Files under ``root`` that this process still has memory-mapped (Linux)."""
+    prefix = str(root.resolve())
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[-1] for line in f if prefix in line})
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_restored_optimizer_state_owns_its_memory_and_trains_on(tmp_path):
+    # A fresh optimizer has no state to copy into: its moments are built by the restore.
+    # They must live in memory of their own, not in views of the stored objects' maps: a
+    # view would copy every page on its first write inside the training step, and keep the
+    # object files (on a tmpfs mem tier: their memory) alive as long as training runs.
+    from stepvault.store import Store
+
+    root = tmp_path / "store"
+    Store.open(root, create=True, defaults={"chunk_size": 64 << 10, "small_tensor": 16 << 10})
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, opt, seed: int) -> None:
+        torch.manual_seed(seed)
+        opt.zero_grad()
+        model(torch.randn(16, 256)).pow(2).mean().backward()
+        opt.step()
+
+    model, opt = build(0)
+    for s in range(3):
+        step(model, opt, s)
+    arr = np.random.default_rng(0).standard_normal(100_003)  # several chunks, numpy
+    extra = {"t": torch.randn(70_001), "arr": arr}  # plain nested values: materialised
+    stepvault.save(root, {"model": model, "opt": opt, "extra": extra}, run="r", step=3)
+
+    model2, opt2 = build(1)
+    live = {"model": model2, "opt": opt2, "extra": None}
+    stepvault.restore(root, live, run="r")
+    assert _mapped_files_under(root) == []
+    want, got = opt.state_dict()["state"], opt2.state_dict()["state"]
+    for i in want:
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got[i][k], want[i][k]), (i, k)
+    assert torch.equal(live["extra"]["t"], extra["t"])
+    assert np.array_equal(live["extra"]["arr"], arr)
+    # Training goes on from the restored state exactly as from the original.
+    for s in range(3, 5):
+        step(model, opt, s)
+        step(model2, opt2, s)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -25,6 +25,7 @@ from ..format.objects import decode_object
 from ..format.xor_codec import MAX_CHAIN
 from ..store import Store
 from .copying import parallel_copy
+from .fresh_memory import FreshMemory
 from .writer import default_workers
 
 if TYPE_CHECKING:
@@ -223,21 +224,65 @@ class CheckpointReader:
             parallel_copy(pairs)
         return True
 
+    def read_fresh(
+        self,
+        name: str,
+        *,
+        copies: list[tuple[np.ndarray, np.ndarray]] | None = None,
+        memory: FreshMemory | None = None,
+    ) -> Any:
+        """One tensor or array in fresh memory of its own, never a view of a stored object.
+
+        For the state a restore hands to training (optimizer moments, plain tensors): a
+        view of a private file mapping would copy each page on its first write inside the
+        training step, one page fault at a time, and would keep the object's file (on a
+        tmpfs mem tier: its memory) alive as long as the tensor lives. The memory comes
+        from ``memory`` (uninitialised, huge pages where the kernel gives them); with
+        ``copies`` the byte copies are appended there (the caller runs them with
+        :func:`~stepvault.engine.copying.parallel_copy`), otherwise they run now.
+        """
+        entry = self.manifest.tensors[name]
+        if entry.nbytes == 0:
+            return self._build(entry)
+        buf = (memory or FreshMemory()).take(entry.nbytes)
+        pairs = self._chunk_copies(entry, buf)
+        if copies is not None:
+            copies.extend(pairs)
+        else:
+            parallel_copy(pairs)
+        from .staging import from_bytes
+
+        return from_bytes(entry.kind, entry.dtype, entry.shape, buf)
+
     def _build(self, entry: TensorEntry, *, private: bool = False) -> Any:
         if len(entry.chunks) == 1:
             data = self._range(*entry.chunks[0])
             if private and is_mapped(data):
                 data = memoryview(bytearray(data))
         else:
-            buf = bytearray(entry.nbytes)
-            at = 0
-            for digest, off, length in entry.chunks:
-                buf[at : at + length] = self._object(digest)[off : off + length]
-                at += length
-            data = memoryview(buf)
+            # Uninitialised memory and the cores' parallel copy: a bytearray is zero-filled
+            # first, and slice assignment copies on one thread (1 GB of AdamW moments took
+            # 2 s that way here, against 0.5 s for placing the same bytes).
+            buf = np.empty(entry.nbytes, dtype=np.uint8)
+            parallel_copy(self._chunk_copies(entry, buf))
+            data = memoryview(buf.data)
         from .staging import from_bytes
 
         return from_bytes(entry.kind, entry.dtype, entry.shape, data)
+
+    def _chunk_copies(
+        self, entry: TensorEntry, buf: np.ndarray
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(destination slice of ``buf``, stored chunk bytes) for each chunk of ``entry``."""
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        at = 0
+        for digest, off, length in entry.chunks:
+            src = self._object(digest)[off : off + length]
+            if src.nbytes != length:
+                raise CorruptObjectError(f"object {digest[:16]}… is shorter than expected")
+            pairs.append((buf[at : at + length], np.frombuffer(src, dtype=np.uint8)))
+            at += length
+        return pairs
 
     def read_sharded(self, fqn: str) -> Any:
         """A tensor of a multi-rank checkpoint, assembled from its shards (verified)."""
