@@ -16,6 +16,8 @@ Runs, each in its own process (one crash does not lose the others' sections):
 - ``bench_dist.py``         sharded save/load on 1/2/4 ranks against DCP
 - ``bench_tiers.py``        upload to a local S3 server, restore cold vs hot, bytes per tier
 - ``bench_mem.py``          restore after a process crash: mem tier vs disk (cold) vs S3
+- ``bench_resume.py``       model + AdamW into a fresh optimizer: restore + first step vs
+                            torch.load and DCP, warm and cold
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -96,6 +98,7 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     ),
     "tiers": ([], ["--size-mb", "8", "--steps", "20"]),
     "mem": (["--repeats", "3"], ["--size-mb", "8", "--repeats", "1", "--no-s3"]),
+    "resume": ([], ["--size-mb", "8", "--repeats", "1"]),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core")
 

@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "run_all.py"
-SECTIONS = ("summary", "peers", "incremental", "scale", "core", "dist", "tiers")
+SECTIONS = ("summary", "peers", "incremental", "scale", "core", "dist", "tiers", "mem", "resume")
 TARGETS = (
     "durable save ≥ 0.8× raw disk",
     "durable save ≥ 1.0× safetensors",
@@ -97,6 +97,9 @@ def test_run_all_quick_rewrites_every_section_and_the_plot(tmp_path):
     assert len(results) >= 10
     assert all(row.rsplit("|", 2)[1].strip() in ("PASS", "MISS", "info") for row in results)
     assert any(" PASS |" in row or " MISS |" in row for row in results)
+    resume = text.split("<!-- resume:begin -->")[1].split("<!-- resume:end -->")[0]
+    for label in ("stepvault `mgr.restore`", "`torch.load(weights_only=True)`", "DCP `dcp.load`"):
+        assert label in resume, label
     # Every script exited 0 and the scratch space is gone (the real BENCHMARKS.md untouched).
     assert "| bench_dist.py | 0 |" in summary
     assert not any(work.iterdir())
