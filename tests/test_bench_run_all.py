@@ -98,7 +98,7 @@ def test_run_all_quick_rewrites_every_section_and_the_plot(tmp_path):
     assert all(row.rsplit("|", 2)[1].strip() in ("PASS", "MISS", "info") for row in results)
     assert any(" PASS |" in row or " MISS |" in row for row in results)
     resume = text.split("<!-- resume:begin -->")[1].split("<!-- resume:end -->")[0]
-    for label in ("stepvault `mgr.restore`", "`torch.load(weights_only=True)`", "DCP `dcp.load`"):
+    for label in ("`stepvault.restore`", "`torch.load(weights_only=True)`", "DCP `dcp.load`"):
         assert label in resume, label
     # Every script exited 0 and the scratch space is gone (the real BENCHMARKS.md untouched).
     assert "| bench_dist.py | 0 |" in summary

@@ -350,3 +350,38 @@ def test_sharded_checkpoint_restores_from_a_cold_tier(tmp_path):
     assert saved.keys() == restored.keys()
     assert all(torch.equal(saved[k], restored[k]) for k in saved)
     assert stepvault.verify(tmp_path / "cold", deep=True).ok
+
+
+def test_async_saver_survives_a_torch_that_closes_its_stager(tmp_path, monkeypatch):
+    """With torch 2.11 the stager passed to async_save came back closed after the upload
+    (seen on a GPU machine: the second collective async save failed with KeyError: <class
+    'type'>). Simulated on the installed torch: every save after the first must work."""
+    from stepvault.core.write import open_store_for_writing
+    from stepvault.distributed.api import AsyncSaver
+
+    real = dcp.async_save
+
+    def closing(*args, **kwargs):
+        future = real(*args, **kwargs)
+        future.result()
+        # torch 2.11 left the stager closed after an upload: both levels are tried here
+        kwargs["async_stager"]._state_dict_stager.close()
+        kwargs["async_stager"].close()
+        return future
+
+    monkeypatch.setattr(dcp, "async_save", closing)
+    store = open_store_for_writing(tmp_path)
+    saver = AsyncSaver()
+    model = torch.nn.Linear(4, 4)
+    expected = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.add_(1)
+        expected[step] = model.weight.detach().clone()
+        saver.save(store, {"model": model}, run="r", step=step).result()
+    assert saver._stager.ignored_closes == 6
+    saver.close()
+    for step, weight in expected.items():
+        fresh = torch.nn.Linear(4, 4)
+        stepvault.restore(tmp_path, {"model": fresh}, run="r", step=step)
+        assert torch.equal(fresh.weight, weight)

@@ -177,3 +177,12 @@ def test_listings_show_annotated_metrics(tmp_path):
     assert summary.metrics == {"loss": 2.0, "val_loss": 1.25}
     res = cli(root, "ls", "r")
     assert res.exit_code == 0 and "val_loss" in res.output, res.output
+
+
+def test_plain_save_takes_lineage_false_like_the_manager_and_names_a_wrong_type(tmp_path):
+    stepvault.save(tmp_path, _state(1), run="r", step=1, lineage=False)
+    m = stepvault.open(tmp_path).checkpoint("r", 1).manifest
+    assert m.lineage is None
+    with pytest.raises(TypeError, match=r"lineage must be a stepvault\.Lineage"):
+        stepvault.save(tmp_path, _state(2), run="r", step=2, lineage={"lr": 1e-3})
+    assert Store.open(tmp_path).list_steps("r") == [1]  # nothing written by the refused save

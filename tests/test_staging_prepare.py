@@ -137,10 +137,11 @@ def test_budget_allows_several_saves_in_flight_and_is_never_exceeded(
     tmp_path, allocations, monkeypatch
 ):
     gate = threading.Event()
-    original = Store.put_object
-    monkeypatch.setattr(
-        Store, "put_object", lambda self, d, p: (gate.wait(20), original(self, d, p))[1]
-    )
+    for method in ("put_object", "stage_object"):  # a save's new objects are staged
+        original = getattr(Store, method)
+        monkeypatch.setattr(
+            Store, method, lambda self, d, p, f=original: (gate.wait(20), f(self, d, p))[1]
+        )
     state = _state(4)
     size = _state_bytes(state)
     budget = int(3.5 * size)
@@ -301,6 +302,24 @@ def test_bench_gpu_exits_cleanly_without_a_gpu():
     )
     assert out.returncode == 0, out.stderr
     assert "no CUDA device" in out.stdout
+
+
+def test_bench_gpu_runs_its_whole_sequence_on_cpu(tmp_path):
+    """The GPU benchmark runs only where a GPU is lent; its CPU smoke run keeps it working."""
+    table = tmp_path / "gpu.md"
+    script = str(ROOT / "benchmarks" / "bench_gpu.py")
+    args = ["--size-mb", "8", "--saves", "2", "--workdir", str(tmp_path), "--markdown", str(table)]
+    out = subprocess.run(
+        [sys.executable, script, "--device", "cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[1].strip() for line in table.read_text().splitlines() if "|" in line}
+    for saver in ("stepvault async", "stepvault sync", "DCP async_save", "stepvault.restore"):
+        assert saver in rows, saver
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu.md"]  # every checkpoint removed
 
 
 def test_implicit_preparation_calls_no_state_dict_of_user_objects(tmp_path, allocations):

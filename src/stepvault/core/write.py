@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from .._env import environment
 from ..catalog.attachments import add_attachments
@@ -180,7 +180,7 @@ def save(
     overwrite: bool = False,
     workers: int | None = None,
     collective: bool | None = None,
-    lineage: Lineage | None = None,
+    lineage: Lineage | Literal[False] | None = None,
     signer: Signer | None = None,
     attachments: Mapping[str, Any] | None = None,
     light: LightOptions | None = None,
@@ -208,7 +208,8 @@ def save(
     replicated model from one rank and refuses sharded state).
 
     ``lineage`` (a :class:`stepvault.Lineage`, e.g. ``Lineage.capture(config)``) is stored
-    with the run and linked from the manifest; ``signer`` signs the manifest (default:
+    with the run and linked from the manifest (``None`` or ``False``: none, as with the
+    manager's ``lineage=False``); ``signer`` signs the manifest (default:
     ``$STEPVAULT_SIGNING_KEY`` when set). ``attachments`` maps file names to bytes or file
     paths (``{"config.json": "out/config.json"}``): small files stored with the checkpoint
     (see :mod:`stepvault.catalog.attachments`).
@@ -218,6 +219,13 @@ def save(
     validate_run_name(run)
     target: Root | Store = root
     lineage_digest = None
+    if lineage is False:  # the manager's spelling of "record no lineage"
+        lineage = None
+    if lineage is not None and not isinstance(lineage, Lineage):
+        raise TypeError(
+            f"lineage must be a stepvault.Lineage (e.g. Lineage.capture(config)), None or "
+            f"False, not {type(lineage).__name__}"
+        )
     if lineage is not None or signer is not None:
         store = open_store_for_writing(root)
         if signer is not None:

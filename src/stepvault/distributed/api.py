@@ -215,14 +215,16 @@ class AsyncSaver:
     """
 
     def __init__(self) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.staging import StagingOptions
+
+        from .stager import KeptStager
 
         self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         # DefaultStager keeps the CPU copy of every storage it staged (keyed weakly by the
         # source storage), so parameters and optimizer moments are copied into the same
         # buffers save after save. Pinned only where CUDA exists.
         cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(
+        self._stager = KeptStager(
             StagingOptions(
                 use_pinned_memory=cuda,
                 use_shared_memory=False,
@@ -233,7 +235,7 @@ class AsyncSaver:
 
     def close(self) -> None:
         """Release the staging buffers."""
-        self._stager.close()
+        self._stager.release()
 
     def save(
         self,

@@ -109,7 +109,10 @@ def choose_scope(collective: bool | None) -> Scope:
     """``collective=None``: collective under an initialised process group; ``False``:
     rank-local; ``True``: collective (needs a process group)."""
     if collective and not distributed_active():
-        raise ValueError("collective=True needs an initialised torch.distributed group")
+        raise ValueError(
+            "collective=True needs an initialised torch.distributed group of more than one "
+            "rank (a group of one saves like a single process: leave collective=None)"
+        )
     if distributed_active() if collective is None else collective:
         return CollectiveScope()
     return LocalScope(rank_local=collective is False)
