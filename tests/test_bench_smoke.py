@@ -28,3 +28,25 @@ def test_write_section_creates_file_and_keeps_the_rest(tmp_path):
     bench.write_section(out, "second")
     text = out.read_text()
     assert "first" not in text and "second" in text and "## Other section" in text
+
+
+def test_bench_replication_writes_its_section_with_the_manager_rows(tmp_path):
+    """A tiny run of the replication benchmark (not in run_all: it needs 2 ranks' memory):
+    both A/B tables and the restart, and only its own section of the file is rewritten."""
+    import subprocess
+
+    out = tmp_path / "B.md"
+    out.write_text("# keep me\n<!-- replication:begin -->\nold\n<!-- replication:end -->\ntail\n")
+    script = REPO / "benchmarks" / "bench_replication.py"
+    args = ["--size-mb", "2", "--saves", "1", "--iters", "5", "--workdir", str(tmp_path)]
+    res = subprocess.run(
+        [sys.executable, str(script), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# keep me") and text.rstrip().endswith("tail") and "old" not in text
+    assert "Stall with replication / without:" in text
+    assert "| rank 1 (node n1) | peer |" in text  # the wiped node restored from its buddy
