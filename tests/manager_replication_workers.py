@@ -160,3 +160,75 @@ def task_reopen(rank, world, mem, out, arg):
     assert mgr.store.list_steps("r") == [3, 6, 7]
     assert mgr._restorer.memory.tier.steps() == ([] if rank == 0 else [7])
     mgr.close()
+
+
+# FSDP2: every rank holds its own shards (DTensors) of the model and the optimizer moments.
+def _fsdp_state(world: int, seed: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import stepvault
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6)
+    )  # fmt: skip
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optimizer": opt, "rng": stepvault.RNGState(), "extra": {"seen": 0}}
+
+
+def _fsdp_train(state: dict, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(rank * 100 + step)  # each rank its own batch
+    loss = state["model"](torch.randn(8, 16, generator=g)).pow(2).mean()
+    state["optimizer"].zero_grad()
+    loss.backward()
+    state["optimizer"].step()
+    state["extra"]["seen"] += 8
+
+
+def _local_shards(state: dict) -> dict[str, torch.Tensor]:
+    """This rank's shards of the parameters and of every optimizer state tensor."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    out = {f"p.{n}": local(p) for n, p in state["model"].named_parameters()}
+    for i, per_param in enumerate(state["optimizer"].state.values()):
+        out.update({f"o.{i}.{k}": local(v) for k, v in per_param.items()})
+    return out
+
+
+def task_fsdp_train(rank, world, mem, out, arg):
+    """FSDP2 state, saves 1..5 into memory (disk: step 3), then die like a crashed job."""
+    mgr = _manager(mem, out)
+    state = _fsdp_state(world, 0)
+    for step in range(1, 6):
+        _fsdp_train(state, rank, step)
+        mgr.save(step, state)
+    mgr.wait()
+    mgr._restorer.memory.replicator.wait()  # replicas written before the kill
+    assert [e["event"] for e in mgr.events()].count("mem_save_failed") == 0
+    torch.save(_local_shards(state), out / f"fsdp5_{rank}.pt")
+    torch.save(torch.get_rng_state(), out / f"rng5_{rank}.pt")
+
+
+def task_fsdp_resume(rank, world, mem, out, arg):
+    """A fresh FSDP2 model and optimizer (no moments yet) restore step 5 from memory."""
+    mgr = _manager(mem, out)
+    state = _fsdp_state(world, 7)
+    info = mgr.restore(state)
+    expected = torch.load(out / f"fsdp5_{rank}.pt", weights_only=True)
+    got = _local_shards(state)
+    assert expected.keys() == got.keys(), (sorted(expected), sorted(got))
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    assert torch.equal(torch.get_rng_state(), torch.load(out / f"rng5_{rank}.pt"))
+    assert state["extra"] == {"seen": 40}
+    _fsdp_train(state, rank, 6)  # the restored shards train on
+    _report(rank, out, "fsdp", {"step": info.step, "tier": info.tier})

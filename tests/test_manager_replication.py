@@ -106,3 +106,19 @@ def test_close_keeps_the_only_copy_and_memory_older_than_disk_is_not_restored(tm
     assert restores == [(5, "mem"), (6, "hot"), (6, "hot")]
     over = [e for e in events if e["event"] == "mem_over_budget"]
     assert [e["step"] for e in over] == [7]
+
+
+def test_fsdp2_shards_resume_bitwise_from_own_and_buddy_memory(tmp_path):
+    """Sharded (FSDP2) state goes into node memory as each rank's local shards and is
+    replicated; after a SIGKILL and a wiped node, both ranks restore step 5 (only in
+    memory) bitwise into a fresh model and optimizer, rank 1 from its buddy."""
+    mem, out = tmp_path / "mem", tmp_path / "out"
+    _spawn(2, W + "fsdp_train", mem, out)
+    hot = Store.open(out / "hot")
+    assert hot.list_steps("r") == [3]  # 4 and 5 are in memory only
+    saves = [(e["step"], e["tier"]) for e in read_events(hot, "r") if e["event"] == "save"]
+    assert saves == [(1, "mem"), (2, "mem"), (3, "mem+hot"), (4, "mem"), (5, "mem")]
+    shutil.rmtree(mem / "n1")  # node n1 was replaced
+    _spawn(2, W + "fsdp_resume", mem, out)
+    info = [json.loads((out / f"fsdp{r}.json").read_text()) for r in range(2)]
+    assert info == [{"step": 5, "tier": "mem"}, {"step": 5, "tier": "peer"}]

@@ -2,7 +2,8 @@
 replicated to a buddy node (``CheckpointManager(..., tiers={"mem": True}, replicate=True)``).
 
 At each save every rank copies its rank-local state into host memory on the training
-thread (the only stall it adds), then, on the writer thread, commits it into its own mem
+thread (the only stall it adds; sharded DTensor state as its local shards, see
+:mod:`stepvault.distributed.local_shards`), then, on the writer thread, commits it into its own mem
 tier on the node (``<mem root>/<key>-<run>+rank<r>``, one :class:`~stepvault.tiers.mem.
 MemTier` per rank, the part-A writer and budget) as the run ``rank_run(run, rank)``, and
 queues it for the :class:`~stepvault.distributed.replication.Replicator`, whose own thread
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from ..core.info import RestoreInfo, SaveInfo
 from ..core.write import new_manifest
+from ..distributed.local_shards import KINDS, SHARDS, apply_local, localize
 from ..distributed.replication import Replicator, rank_run
 from ..distributed.state import has_dtensor
 from ..engine import to_host
@@ -144,13 +146,16 @@ class RankMemory:
         collective save to disk runs too."""
         staged: RankStaged | None = None
         try:
-            if has_dtensor(state):  # a DTensor op in the snapshot could run collectives
-                raise ValueError(
-                    "sharded DTensor state is not copied into node memory yet: the save "
-                    "goes to disk (DCP)"
-                )
             kind = "weights" if decision.kind == "weights" else "full"
-            snapshot = take_snapshot(state, kind=kind)
+            source: Mapping[str, Any] = state
+            if has_dtensor(state):  # FSDP2 / tensor parallel: this rank's local shards
+                source = localize(state)[0]
+                if kind == "weights":
+                    source[SHARDS] = {
+                        k: v for k, v in source[SHARDS].items() if source[KINDS][k] == "module"
+                    }
+                kind = "full"  # (the localized state is plain values and tensors)
+            snapshot = take_snapshot(source, kind=kind)
             manifest = new_manifest(
                 self.run, step, snapshot, epoch=epoch, kind=kind, metrics=metrics
             )
@@ -207,14 +212,18 @@ class RankMemory:
         from ..core.peer_restore import restore_from_memory
 
         self.replicator.wait()
+        # Sharded state is restored into its local shards, then handed to the live objects.
+        target, dcp_state = localize(state) if has_dtensor(state) else (state, None)
         info = restore_from_memory(
             self.replicator,
-            state,
+            target,
             run=self.session.run,
             workers=self.session.options.workers,
             min_step=newest_on_disk,
             step=step,
         )
+        if info is not None and dcp_state is not None:
+            apply_local(state, target, dcp_state)
         if info is not None:  # all ranks or none restored (they agreed on the step)
             tiers: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(tiers, info.tier, group=self.replicator.group)
