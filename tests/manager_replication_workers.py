@@ -208,6 +208,8 @@ def task_fsdp_train(rank, world, mem, out, arg):
     """FSDP2 state, saves 1..5 into memory (disk: step 3), then die like a crashed job."""
     mgr = _manager(mem, out)
     state = _fsdp_state(world, 0)
+    assert mgr.restore(state) is None  # a fresh start: nothing in memory or on disk
+    assert not state["optimizer"].state  # and the optimizer was left as it was
     for step in range(1, 6):
         _fsdp_train(state, rank, step)
         mgr.save(step, state)

@@ -15,7 +15,7 @@ event says why).
 from __future__ import annotations
 
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from ..catalog.events import log_event
@@ -33,6 +33,7 @@ def restore_from_memory(
     workers: int | None = None,
     min_step: int | None = None,
     step: int | None = None,
+    target: Callable[[], MutableMapping[str, Any]] | None = None,
 ) -> RestoreInfo | None:
     """Collective: load this rank's newest memory checkpoint of ``run`` that every rank can
     get (own memory first, else the buddy's); None when there is none (use disk/S3).
@@ -41,6 +42,9 @@ def restore_from_memory(
     store's log records the tier, the step and the seconds it took. ``min_step``: steps
     older than it are not taken (a newer checkpoint is on disk: the caller restores that).
     ``step``: only that step (``restore(step=N)``); None when some rank cannot get it.
+    ``target``: builds what to load into, called only once a step is chosen (every rank
+    then calls it); the rank memory's view of sharded state is built so, because building
+    it initialises a fresh optimizer's state, which a fresh start must not do.
     """
     t0 = time.perf_counter()
     me = replicator.rank
@@ -96,7 +100,7 @@ def restore_from_memory(
             skipped=[s.step for s in skipped],
         )
         return None
-    info = planner.restore(state, [chosen], fallback=False)
+    info = planner.restore(state if target is None else target(), [chosen], fallback=False)
     info.tier = tier
     info.skipped = skipped + info.skipped
     info.seconds = time.perf_counter() - t0

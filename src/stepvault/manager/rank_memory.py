@@ -212,18 +212,25 @@ class RankMemory:
         from ..core.peer_restore import restore_from_memory
 
         self.replicator.wait()
-        # Sharded state is restored into its local shards, then handed to the live objects.
-        target, dcp_state = localize(state) if has_dtensor(state) else (state, None)
+        # Sharded state is restored into its local shards, then handed to the live objects;
+        # that view is built only once a step is chosen (it initialises a fresh optimizer).
+        views: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+        def local_view() -> MutableMapping[str, Any]:
+            views.append(localize(state))
+            return views[-1][0]
+
         info = restore_from_memory(
             self.replicator,
-            target,
+            state,
             run=self.session.run,
             workers=self.session.options.workers,
             min_step=newest_on_disk,
             step=step,
+            target=local_view if has_dtensor(state) else None,
         )
-        if info is not None and dcp_state is not None:
-            apply_local(state, target, dcp_state)
+        if info is not None and views:
+            apply_local(state, *views[-1])
         if info is not None:  # all ranks or none restored (they agreed on the step)
             tiers: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(tiers, info.tier, group=self.replicator.group)
