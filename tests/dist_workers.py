@@ -477,3 +477,34 @@ def task_manager_cuda(rank, world, root, out):
         assert now.keys() == snap.keys()
         for k, v in snap.items():
             assert now[k].device == v.device and torch.equal(now[k], v), (at, k)
+
+
+def task_manager_step0_save(rank, world, root, out):
+    """A collective save before the first optimizer step leaves the optimizer untouched:
+    DCP's get_state_dict gives a stateless optimizer a state (a zero-lr step, AdamW step 1),
+    so the first real step would have run as step 2."""
+    import stepvault
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    twin = torch.nn.Linear(8, 4)  # the same training without any save
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    with stepvault.CheckpointManager(root, "s0", lineage=False) as mgr:
+        mgr.save(0, {"model": model, "optimizer": opt})
+        mgr.wait()
+        assert not opt.state, "the save gave the optimizer a state"
+        for m, o in ((model, opt), (twin, twin_opt)):
+            m(torch.ones(2, 8)).sum().backward()
+            o.step()
+        assert all(int(s["step"]) == 1 for s in opt.state.values())
+        assert torch.equal(model.module.weight, twin.weight)
+        mgr.save(1, {"model": model, "optimizer": opt})
+        mgr.wait()
+    fresh = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with stepvault.CheckpointManager(root, "s0", lineage=False) as mgr:
+        assert mgr.restore({"model": fresh, "optimizer": fresh_opt}).step == 1
+    assert torch.equal(fresh.module.weight, twin.weight)
+    assert all(int(s["step"]) == 1 for s in fresh_opt.state.values())

@@ -191,6 +191,10 @@ def test_manager_with_ddp_on_every_rank(tmp_path):
     assert full["model"]["weight"].shape == (4, 8)
 
 
+def test_a_collective_save_before_the_first_step_leaves_the_optimizer_untouched(tmp_path):
+    _spawn(2, "manager_step0_save", tmp_path / "store", tmp_path)
+
+
 def test_import_dcp_directory_needs_trust(tmp_path):
     from typer.testing import CliRunner
 

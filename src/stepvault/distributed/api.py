@@ -199,7 +199,7 @@ def save_state(
 
 def _with_kinds(state: Mapping[str, Any]) -> dict[str, Any]:
     """The DCP state dict of a stepvault state, with the kind of each top-level entry."""
-    dcp_state, kinds = to_dcp(state)
+    dcp_state, kinds = to_dcp(state, for_save=True)
     dcp_state["__stepvault_kinds__"] = kinds
     return dcp_state
 

@@ -31,10 +31,13 @@ def _local(value: Any) -> Any:
     return value
 
 
-def localize(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def localize(
+    state: Mapping[str, Any], *, for_save: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(local, dcp_state)``: the state to store or restore into (``{SHARDS: ..., KINDS:
-    ...}``, plain tensors and values only) and the DCP state dict it views."""
-    dcp_state, kinds = to_dcp(state)
+    ...}``, plain tensors and values only) and the DCP state dict it views (``for_save``:
+    see :func:`~stepvault.distributed.state.to_dcp`)."""
+    dcp_state, kinds = to_dcp(state, for_save=for_save)
     dcp_state.pop("__stepvault_kinds__", None)
     return {SHARDS: _local(dcp_state), KINDS: dict(kinds)}, dcp_state
 

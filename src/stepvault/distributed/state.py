@@ -73,8 +73,27 @@ def _pairs(state: Mapping[str, Any]) -> dict[str, str]:
     return pairs
 
 
-def to_dcp(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The DCP state dict of ``state`` and the kind of each top-level entry."""
+def to_dcp(
+    state: Mapping[str, Any], *, for_save: bool = False
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The DCP state dict of ``state`` and the kind of each top-level entry.
+
+    ``get_state_dict`` gives an optimizer without state one (a zero-lr step: AdamW then
+    holds step 1 and zero moments), which a load needs as its destination. A save must
+    not change training: with ``for_save`` such an optimizer is emptied again right after
+    (the state dict keeps the tensors it saves), so the first real step runs as without
+    the save.
+    """
+    fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
+    try:
+        return _to_dcp(state)
+    finally:
+        if for_save:
+            for opt in fresh:
+                opt.state.clear()
+
+
+def _to_dcp(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     pairs = _pairs(state)
     by_module: dict[str, list[str]] = {}
     for opt_key, mod_key in pairs.items():

@@ -149,7 +149,7 @@ class RankMemory:
             kind = "weights" if decision.kind == "weights" else "full"
             source: Mapping[str, Any] = state
             if has_dtensor(state):  # FSDP2 / tensor parallel: this rank's local shards
-                source = localize(state)[0]
+                source = localize(state, for_save=True)[0]
                 if kind == "weights":
                     source[SHARDS] = {
                         k: v for k, v in source[SHARDS].items() if source[KINDS][k] == "module"
