@@ -130,6 +130,9 @@ def kill_job_when_saved(
             kill_job(proc.pid, sig)
         proc.wait(timeout=120)
         _wait_gone(victims)
+        if proc.returncode == -signal.SIGABRT:  # rare, at exit: keep what it said
+            err = proc.stderr.read()
+            raise AssertionError(f"the job aborted (SIGABRT); its stderr ends:\n{err[-4000:]}")
     finally:
         if proc.poll() is None:
             kill_job(proc.pid)
