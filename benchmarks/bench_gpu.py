@@ -76,7 +76,7 @@ def _bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def _result() -> dict[str, list[float]]:
-    return {"stall": [], "next_step": [], "throughput": [], "seconds": []}
+    return {"stall": [], "next_step": [], "throughput": []}
 
 
 def bench_stepvault(model, opt, root: Path, saves: int, async_save: bool) -> dict:
@@ -96,13 +96,14 @@ def bench_stepvault(model, opt, root: Path, saves: int, async_save: bool) -> dic
             handle = mgr.save(i + 1, state)
             out["next_step"].append(_step(model, opt))  # overlaps the copy and the write
             info = handle.result()
-            total = time.perf_counter() - t0 - out["next_step"][-1] if not async_save else None
-            stall = handle.stall_seconds if async_save else total
-            out["stall"].append(stall)
-            out["seconds"].append(stall + info.seconds if async_save else total)
-            out["throughput"].append(info.logical_bytes / out["seconds"][-1])
             assert handle.asynchronous == async_save, "the save was not what was asked"
-        out["staging_bytes"] = [float(mgr.stats()["staging_bytes"])]
+            if async_save:  # the training thread's part, then the background write
+                stall = handle.stall_seconds
+                seconds = stall + info.seconds
+            else:  # the whole save ran inside save(), before the next step
+                stall = seconds = time.perf_counter() - t0 - out["next_step"][-1]
+            out["stall"].append(stall)
+            out["throughput"].append(info.logical_bytes / seconds)
     return out
 
 
@@ -147,7 +148,6 @@ def bench_dcp(model, opt, root: Path, saves: int, pinned: bool) -> dict:
             future.result()
             seconds = time.perf_counter() - t0 - out["next_step"][-1]
             out["stall"].append(stall)
-            out["seconds"].append(seconds)
             out["throughput"].append(nbytes / seconds)
             shutil.rmtree(where, ignore_errors=True)
     finally:

@@ -450,10 +450,10 @@ def task_manager_cuda(rank, world, root, out):
         state["optimizer"].zero_grad()
 
     def snapshot(state):
-        out = {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
+        flat = {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
         for i, s in enumerate(state["optimizer"].state.values()):
-            out.update({f"opt{i}.{k}": v.detach().clone() for k, v in s.items()})
-        return out
+            flat.update({f"opt{i}.{k}": v.detach().clone() for k, v in s.items()})
+        return flat
 
     state = build(0)
     step(state, 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_distributed import _spawn
 
 import stepvault
 from stepvault import CheckpointManager
@@ -134,21 +135,3 @@ def test_mem_tier_save_of_cuda_state_restores_bitwise(tmp_path):
 def test_collective_async_save_of_cuda_state_on_two_ranks(tmp_path):
     """Under a process group the manager saves through DCP (pinned staging on CUDA)."""
     _spawn(2, "manager_cuda", tmp_path / "store", tmp_path / "out")
-
-
-def _spawn(world: int, task: str, root, out) -> None:
-    import socket
-
-    import dist_workers
-    import torch.multiprocessing as mp
-
-    out.mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = (world, port, task, str(root), str(out))
-    mp.start_processes(dist_workers.run, args=args, nprocs=world, start_method="spawn")
-    for rank in range(world):
-        result = (out / f"rank{rank}.txt").read_text()
-        if result != "ok":
-            pytest.fail(f"rank {rank} of {world} ({task}):\n{result}", pytrace=False)

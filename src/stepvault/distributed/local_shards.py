@@ -38,7 +38,6 @@ def localize(
     ...}``, plain tensors and values only) and the DCP state dict it views (``for_save``:
     see :func:`~stepvault.distributed.state.to_dcp`)."""
     dcp_state, kinds = to_dcp(state, for_save=for_save)
-    dcp_state.pop("__stepvault_kinds__", None)
     return {SHARDS: _local(dcp_state), KINDS: dict(kinds)}, dcp_state
 
 

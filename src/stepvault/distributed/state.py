@@ -84,13 +84,14 @@ def to_dcp(
     (the state dict keeps the tensors it saves), so the first real step runs as without
     the save.
     """
+    if not for_save:
+        return _to_dcp(state)
     fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
     try:
         return _to_dcp(state)
     finally:
-        if for_save:
-            for opt in fresh:
-                opt.state.clear()
+        for opt in fresh:
+            opt.state.clear()
 
 
 def _to_dcp(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
