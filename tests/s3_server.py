@@ -3,7 +3,9 @@ HTTP proxy that injects faults (5xx, throttling, connections reset before or aft
 request reached the server) into a fraction of requests.
 
 Clients talk HTTP to it through s3fs/boto3 exactly as they would to AWS; nothing in the
-client is mocked.
+client is mocked. Tests get the server from the ``s3`` fixture (tests/conftest.py), which
+skips them where moto or s3fs is not installed; moto is imported only when a server starts,
+so ``ENV`` and ``FaultProxy`` import everywhere and tests that need neither still run.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import uuid
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from moto.server import ThreadedMotoServer
-
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -33,6 +33,8 @@ class MotoS3:
     """moto's S3 server on an ephemeral port of 127.0.0.1."""
 
     def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer  # optional: only a started server needs it
+
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 
     def start(self) -> MotoS3:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import final_digest, run_train_loop, start_train_loop, wait_for_line
 from typer.testing import CliRunner
 
 import stepvault
@@ -23,8 +24,6 @@ from stepvault.format import parse_manifest
 from stepvault.store import Store
 from stepvault.tiers import CopyEvery, MemLast
 from stepvault.tiers.mem import list_mem_tiers, mem_dir, reclaim_stale
-
-SCRIPT = Path(__file__).parent / "scripts" / "train_loop.py"
 
 
 def _tree_bytes(path: Path) -> int:
@@ -42,46 +41,10 @@ def _model(width: int, seed: int = 0) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------ one process, SIGKILL, resume
-def _train(store, *args, timeout=120):
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--store", str(store), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def _final(stdout: str) -> str:
-    return next(line.split()[1] for line in stdout.splitlines() if line.startswith("FINAL"))
-
-
-def _start(store, *args):
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--store", str(store), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _wait_for(proc, prefix: str, timeout: float = 60) -> str:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(prefix):
-            return line.strip()
-    proc.kill()
-    raise AssertionError(f"no {prefix!r} from the child; stderr: {proc.stderr.read()}")
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Digest of an uninterrupted run without a mem tier."""
-    return _final(_train(tmp_path_factory.mktemp("ref"), "--steps", "30"))
+    return final_digest(run_train_loop(tmp_path_factory.mktemp("ref"), "--steps", "30"))
 
 
 @pytest.mark.slow  # two training processes: ~10 s on an idle machine, a minute on a busy one
@@ -90,21 +53,21 @@ def test_sigkill_resumes_from_memory_bitwise(tmp_path, reference):
     from the mem tier, and the continued run ends bitwise equal to an uninterrupted one."""
     store, mem = tmp_path / "ck", tmp_path / "shm"
     args = ["--steps", "30", "--mem", str(mem), "--disk-every", "1000"]
-    proc = _start(store, *args, "--step-sleep", "0.05")
-    _wait_for(proc, "STEP 23")  # the saves of steps 5..20 are committed (tiny model)
+    proc = start_train_loop(store, *args, "--step-sleep", "0.05")
+    wait_for_line(proc, "STEP 23")  # the saves of steps 5..20 are committed (tiny model)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert Store.open(store).list_steps("job") == []  # nothing reached the disk
     (held,) = list_mem_tiers(str(mem))
     assert held.steps and held.steps[-1] >= 15 and not held.stale  # owner gone, not on disk
-    stdout = _train(store, *args)
+    stdout = run_train_loop(store, *args)
     assert f"RESUMED {held.steps[-1]}" in stdout
     assert "FROM mem " in stdout
-    assert _final(stdout) == reference
+    assert final_digest(stdout) == reference
     # Closed normally: the newest mem checkpoint was flushed to disk, the mem tier removed.
     assert Store.open(store).list_steps("job") == [30]
     assert list_mem_tiers(str(mem)) == []
-    assert stepvault.verify(store, deep=True).ok
+    assert stepvault.ops.verify(store, deep=True).ok
 
 
 # ------------------------------------------------------------------------------- budget
@@ -228,16 +191,6 @@ def test_budget_option_is_checked():
 
 
 # --------------------------------------------------------- restore order mem -> disk -> S3
-s3_server = pytest.importorskip("s3_server")
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = s3_server.MotoS3().start()
-    yield server
-    server.stop()
-
-
 def _flip_a_byte(store_path: Path) -> None:
     obj = max((p for p in (store_path / "objects").rglob("*") if p.is_file()), key=os.path.getsize)
     data = bytearray(obj.read_bytes())
@@ -405,13 +358,13 @@ def test_random_kills_during_mem_saves_leave_only_complete_checkpoints(tmp_path,
     args = ["--steps", "30", "--mem", str(mem), "--disk-every", "10"]
     rng = random.Random(16)
     for _ in range(4):
-        proc = _start(store, *args, "--slow-writes", "0.02")
-        _wait_for(proc, "")  # FRESH or RESUMED: training starts (it may already be done)
+        proc = start_train_loop(store, *args, "--slow-writes", "0.02")
+        wait_for_line(proc, "")  # FRESH or RESUMED: training starts (it may already be done)
         time.sleep(rng.uniform(0.2, 1.5))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         for t in list_mem_tiers(str(mem)):
             # every checkpoint the mem tier lists is complete and verifies, byte for byte
-            assert stepvault.verify(t.path, deep=True).ok
-    stdout = _train(store, *args)
-    assert _final(stdout) == reference
+            assert stepvault.ops.verify(t.path, deep=True).ok
+    stdout = run_train_loop(store, *args)
+    assert final_digest(stdout) == reference

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from s3_server import ENV, FaultProxy
 from typer.testing import CliRunner
 
 import stepvault
@@ -369,23 +370,12 @@ def test_cli_tier_older_than_moves_only_aged_checkpoints(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------ S3 cold tier
-
-s3_server = pytest.importorskip("s3_server")
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = s3_server.MotoS3().start()
-    yield server
-    server.stop()
-
-
 @pytest.mark.slow  # ~10 s of botocore backoff; the fast suite covers faults in test_s3_backend
 def test_s3_archive_behind_a_faulty_network(tmp_path, s3):
     """10% of requests to the archive fail (5xx, throttling, resets, lost responses):
     every copy still lands, and every checkpoint restores from the tier that holds it."""
     bucket = s3.new_bucket()
-    proxy = s3_server.FaultProxy(s3.endpoint, rate=0.10, seed=11).start()
+    proxy = FaultProxy(s3.endpoint, rate=0.10, seed=11).start()
     try:
         spec = TierSpec("archive", f"s3://{bucket}/cold", options={"endpoint_url": proxy.endpoint})
         hot = tmp_path / "hot"
@@ -435,7 +425,7 @@ def test_sigkill_in_the_middle_of_a_tier_move_leaves_both_tiers_consistent(tmp_p
                 p.add_(1.0)  # every object changes: each copy moves real bytes
         stepvault.save(hot, {"model": m}, run="r", step=step)
         saved[step] = state_of(m)
-    env = {**os.environ, **s3_server.ENV}
+    env = {**os.environ, **ENV}
     cold_url = f"s3://{bucket}/cold"
     cmd = [sys.executable, str(SCRIPT), "--hot", str(hot), "--cold", cold_url]
     cmd += ["--endpoint", s3.endpoint]
@@ -480,9 +470,7 @@ def test_sigkill_in_the_middle_of_a_tier_move_leaves_both_tiers_consistent(tmp_p
     assert ops.verify_store(tiers["archive"], deep=True).ok
 
 
-def test_an_unreachable_archive_never_stops_training_or_restore(tmp_path, monkeypatch):
-    for k, v in s3_server.ENV.items():
-        monkeypatch.setenv(k, v)
+def test_an_unreachable_archive_never_stops_training_or_restore(tmp_path, s3_env):
     dead = {"endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"retries": {"max_attempts": 1}}}
     spec = TierSpec("archive", "s3://nowhere/cold", options=dead)
     hot = tmp_path / "hot"

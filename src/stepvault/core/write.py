@@ -18,6 +18,7 @@ from ..catalog.attachments import add_attachments
 from ..catalog.lineage import Lineage, write_lineage
 from ..catalog.summaries import record_commit
 from ..engine import HostArray, to_host, write_checkpoint
+from ..engine.writer import ChunkDigests
 from ..errors import StepvaultError
 from ..format import CODEC_CHOICES, Manifest, ObjectEntry, parse_manifest
 from ..format.settings import DEFAULT_STORE_SETTINGS
@@ -103,8 +104,14 @@ def write_manifest(
     overwrite: bool = False,
     workers: int | None = None,
     parent: Manifest | None = None,
+    digests: ChunkDigests | None = None,
+    after_commit: Callable[[Manifest, bytes], None] | None = None,
 ) -> SaveInfo:
     """Write the staged tensors of one checkpoint and commit its manifest.
+
+    ``digests`` shares the chunk digests of ``host`` with the save's other destinations
+    (each chunk hashed once per save); ``after_commit(manifest, data)`` gets the manifest
+    bytes as committed (so nobody reads them back).
 
     The manifest's parent is the run's newest earlier checkpoint; chunks that the parent
     already names are reused from its object table (one touch each, no size or header
@@ -126,7 +133,8 @@ def write_manifest(
         workers=workers,
         known=parent_objects(store, manifest.run, manifest.parent_step, parent),
         before_commit=_before_commit(store, manifest),
-        after_commit=lambda m, data: record_commit(store, m, data),  # listings find it
+        after_commit=_after_commit(store, after_commit),  # listings find it
+        digests=digests,
     )
     return SaveInfo(
         run=manifest.run,
@@ -140,6 +148,19 @@ def write_manifest(
         seconds=stats.seconds,
         kind=manifest.kind,
     )
+
+
+def _after_commit(
+    store: Store, then: Callable[[Manifest, bytes], None] | None
+) -> Callable[[Manifest, bytes], None]:
+    """Right after the commit: the summary row, then the caller's ``then``."""
+
+    def run(m: Manifest, data: bytes) -> None:
+        record_commit(store, m, data)
+        if then is not None:
+            then(m, data)
+
+    return run
 
 
 def _before_commit(store: Store, manifest: Manifest) -> Callable[[], None]:
