@@ -57,6 +57,58 @@ class WriteStats:
         return dict(self.__dict__)
 
 
+class ChunkDigests:
+    """The BLAKE3 digests of one save's chunks, shared by every destination it is written to.
+
+    A save written to several stores (node memory, then disk) writes the same host buffers
+    each time; hashing them again costs one more pass over the whole state per destination
+    (issue 27). The first write of a chunk hashes it, every later write of the same chunk
+    takes its digest from here.
+
+    Invariant 2 (every object is named by the BLAKE3 of its raw bytes) holds because the
+    digests are bound to the buffers they were computed from: :func:`write_objects` refuses
+    them for any other arrays, a digest is keyed by the chunk's exact layout (array names,
+    offsets, lengths: the same layout over the same buffers is the same bytes, bundle
+    padding included; a store with other chunk settings hashes its own chunks), and the
+    buffers must not change until the last destination is written (the manager holds the
+    staging area, or the training thread, until then).
+    """
+
+    def __init__(self, arrays: Mapping[str, HostArray]) -> None:
+        self._arrays = dict(arrays)
+        self._digests: dict[tuple[Any, ...], str] = {}
+        self._lock = threading.Lock()
+        #: raw bytes hashed so far (once per chunk) and bytes whose digest was reused
+        self.hashed_bytes = 0
+        self.reused_bytes = 0
+
+    def check(self, arrays: Mapping[str, HostArray]) -> None:
+        """Refuse ``arrays`` unless they are the very buffers these digests were made for."""
+        same = arrays.keys() == self._arrays.keys() and all(
+            arrays[name] is self._arrays[name] for name in arrays
+        )
+        if not same:
+            raise ValueError(
+                "ChunkDigests were computed for other arrays than this write's: digests are "
+                "reused only for the same host buffers of the same save; make a new "
+                "ChunkDigests(arrays) for these arrays (or pass digests=None)"
+            )
+
+    def digest(self, plan: ChunkPlan, raw: memoryview) -> str:
+        """The digest of chunk ``plan`` whose bytes are ``raw``: hashed on first use only."""
+        key = (plan.dtype, plan.size, tuple(plan.members))
+        found = self._digests.get(key)
+        if found is not None:
+            with self._lock:
+                self.reused_bytes += raw.nbytes
+            return found
+        digest = content_hash(raw)
+        with self._lock:
+            self._digests[key] = digest
+            self.hashed_bytes += raw.nbytes
+        return digest
+
+
 @dataclass
 class _ChunkResult:
     digest: str
@@ -79,11 +131,13 @@ class _ChunkWriter:
         arrays: dict[str, HostArray],
         codec: str,
         known: Mapping[str, ObjectEntry] | None = None,
+        digests: ChunkDigests | None = None,
     ) -> None:
         self.store = store
         self.arrays = arrays
         self.codec = codec
         self.known = known or {}
+        self.digests = digests
         self._lock = threading.Lock()
         self._claimed: set[str] = set()  # digests written by this save (dedup within it)
         self._staged: list[object] = []
@@ -99,7 +153,7 @@ class _ChunkWriter:
 
     def __call__(self, plan: ChunkPlan) -> _ChunkResult:
         raw = self._raw(plan)
-        digest = content_hash(raw)
+        digest = content_hash(raw) if self.digests is None else self.digests.digest(plan, raw)
         with self._lock:
             mine = digest not in self._claimed
             self._claimed.add(digest)
@@ -164,13 +218,18 @@ def write_objects(
     codec: str,
     workers: int | None = None,
     known: Mapping[str, ObjectEntry] | None = None,
+    digests: ChunkDigests | None = None,
 ) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry], WriteStats]:
     """Store ``arrays`` as durable objects; return their tensor entries, objects and stats.
 
     Nothing becomes visible: the caller commits a manifest naming these objects. ``known``
     (an earlier manifest's object table) spares the lookups of chunks it already names.
+    ``digests`` (made for these very ``arrays``) shares chunk digests with the other
+    destinations of the same save, so that each chunk is hashed once (:class:`ChunkDigests`).
     """
     t0 = time.perf_counter()
+    if digests is not None:
+        digests.check(arrays)
     settings = store.settings
     specs = [
         ArraySpec(name, a.dtype, dtype_info(a.dtype).itemsize, a.nbytes)
@@ -182,7 +241,7 @@ def write_objects(
         small_tensor=int(settings.get("small_tensor", 1 << 20)),
         bundle_size=int(settings.get("bundle_size", 8 << 20)),
     )
-    writer = _ChunkWriter(store, arrays, codec, known)
+    writer = _ChunkWriter(store, arrays, codec, known, digests)
     results: list[_ChunkResult] = []
     try:
         if plans:
@@ -227,17 +286,19 @@ def write_checkpoint(
     before_commit: Callable[[], None] | None = None,
     after_commit: Callable[[Manifest, bytes], None] | None = None,
     known: Mapping[str, ObjectEntry] | None = None,
+    digests: ChunkDigests | None = None,
 ) -> WriteStats:
     """Store ``arrays`` as objects, fill ``manifest``'s tensor/object tables, and commit it.
 
     ``before_commit`` runs after every object is durable and right before the manifest is
     made visible (used by tests to inject crashes); ``after_commit(manifest, data)`` right
     after (the catalog records the new checkpoint's summary there). ``known`` is the object
-    table of an earlier manifest of the run (see :func:`write_objects`).
+    table of an earlier manifest of the run and ``digests`` the chunk digests shared with the
+    save's other destinations (see :func:`write_objects`).
     """
     t0 = time.perf_counter()
     tensors, objects, stats = write_objects(
-        store, arrays, codec=codec, workers=workers, known=known
+        store, arrays, codec=codec, workers=workers, known=known, digests=digests
     )
     manifest.tensors = tensors
     manifest.objects = objects

@@ -4,7 +4,9 @@ asks.
 A save with a mem tier is written from the staged host buffers twice, on the writer
 thread: first into the mem tier (tmpfs: the fastest commit, so the best recovery point
 after a process crash), then, unless the policy says this step stays in memory only, into
-the hot store on disk exactly as without a mem tier. Which saves go to disk:
+the hot store on disk exactly as without a mem tier. Both writes share one set of chunk
+digests (:class:`~stepvault.engine.writer.ChunkDigests`): each chunk is hashed once per
+save, and nothing just committed is read back. Which saves go to disk:
 
 * every save, by default (turning the mem tier on loses nothing);
 * with ``CopyEvery("hot", steps=n)`` in the tier policy, every ``n``-th step (with
@@ -29,6 +31,7 @@ from typing import Any
 
 from ..core.info import SaveInfo
 from ..core.write import write_manifest
+from ..engine.writer import ChunkDigests
 from ..errors import StepvaultError
 from ..format import Manifest
 from ..policy import CopyEvery, HotLast, TierAny, TierPolicy
@@ -118,6 +121,8 @@ class MemSaver:
         self.cleanup = cleanup
         #: ``hook(MemCommit)`` after each mem commit (replication plugs in here)
         self.hooks: list[MemHook] = []
+        #: the newest mem commit: its object table spares reading its manifest back
+        self._parent: Manifest | None = None
         #: wall time of the newest save sent to disk (None: read from the hot store)
         self._last_disk: float | None = None
         self.clock: Callable[[], float] = time.time  # wall clock of the time interval
@@ -142,10 +147,20 @@ class MemSaver:
         return True
 
     def save(
-        self, manifest: Manifest, host: dict[str, Any], *, urgent: bool
+        self,
+        manifest: Manifest,
+        host: dict[str, Any],
+        *,
+        urgent: bool,
+        digests: ChunkDigests | None = None,
     ) -> tuple[SaveInfo | None, dict[str, Any]]:
         """Commit ``manifest`` with ``host`` into the mem tier (a copy: the caller still
-        writes ``manifest`` to disk); ``(info or None when it did not fit, event fields)``."""
+        writes ``manifest`` to disk); ``(info or None when it did not fit, event fields)``.
+
+        ``digests`` are the chunk digests of ``host`` shared with the save's disk write, so
+        that each chunk is hashed once per save. Nothing is read back from the mem store:
+        the previous mem commit's object table is kept (the parent's chunks are reused
+        without reading its manifest), and the hooks get the manifest bytes as committed."""
         s, mem = self.session, self.mem
         need = _estimate(host, int(mem.store.settings.get("chunk_size", 32 << 20)))
         with mem.lock:
@@ -162,9 +177,19 @@ class MemSaver:
                 return None, {"tier": "hot", "mem": "over budget"}
             m = copy.deepcopy(manifest)
             t0 = time.perf_counter()
+            committed: list[bytes] = []
             try:
                 self._copy_attachments(m)
-                info = write_manifest(mem.store, m, host, codec="raw", overwrite=True)
+                info = write_manifest(
+                    mem.store,
+                    m,
+                    host,
+                    codec="raw",
+                    overwrite=True,
+                    parent=self._parent,
+                    digests=digests,
+                    after_commit=lambda _m, data: committed.append(data),
+                )
             except (StepvaultError, OSError) as exc:
                 # A full or failing tmpfs must not cost the save: it still goes to disk.
                 s.event(
@@ -175,17 +200,14 @@ class MemSaver:
                 )
                 return None, {"tier": "hot", "mem": "failed"}
             seconds = time.perf_counter() - t0
+            self._parent = m  # the next mem save reuses its object table
             self._keep_last(on_disk)
-        commit = MemCommit(
-            m.run,
-            m.step,
-            mem.store,
-            frozenset(m.objects),
-            mem.store.read_manifest(m.run, m.step),
-            seconds,
-        )
-        for hook in self.hooks:
-            hook(commit)
+        if self.hooks:
+            commit = MemCommit(
+                m.run, m.step, mem.store, frozenset(m.objects), committed[0], seconds
+            )
+            for hook in self.hooks:
+                hook(commit)
         return info, {"mem_seconds": seconds, "mem_bytes": mem.used_bytes()}
 
     def _copy_attachments(self, m: Manifest) -> None:

@@ -27,6 +27,7 @@ from ..engine import to_host
 from ..engine.background import BackgroundWriter
 from ..engine.staging import HostArray, from_bytes
 from ..engine.staging_pool import StagingPool
+from ..engine.writer import ChunkDigests
 from ..errors import StepvaultError
 from ..format import Manifest, parse_manifest
 from ..policy import SaveDecision
@@ -166,8 +167,15 @@ class LocalWriter:
                     area.wait_copied()  # device-to-host copies done (at once on CPU)
                 out = self._light_from_staged(manifest, snapshot, host) if light_later else host
                 mem_info, fields = None, {}
+                # One set of chunk digests for both destinations: memory, then disk, write
+                # the same buffers (held until this commit is done), hashed once.
+                digests = None
                 if self.mem is not None:  # into node memory first (.mem_saving)
-                    mem_info, fields = self.mem.save(manifest, out, urgent=decision.urgent)
+                    digests = ChunkDigests(out)
+                    mem_info, fields = self.mem.save(
+                        manifest, out, urgent=decision.urgent, digests=digests
+                    )
+                    fields["hashed_bytes"] = digests.hashed_bytes
                 if mem_info is not None and not self.mem.wants_disk(step, decision.urgent):
                     rate = mem_info.throughput if math.isfinite(mem_info.throughput) else None
                     return mem_info, {**fields, "tier": "mem", "throughput_bytes_per_s": rate}
@@ -179,7 +187,10 @@ class LocalWriter:
                     overwrite=True,
                     workers=s.options.workers,
                     parent=self._parent,
+                    digests=digests,
                 )
+                if digests is not None:
+                    fields["hashed_bytes"] = digests.hashed_bytes
                 if mem_info is not None:
                     fields["tier"] = "mem+hot"
             except BaseException as exc:
