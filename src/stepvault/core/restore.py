@@ -1,197 +1,39 @@
-"""The restore path of the core: candidates → open → check → verify → place.
+"""``stepvault.restore``: the public restore, through the one planner (:mod:`.planner`).
 
-:class:`RestorePlanner` opens each candidate once (one manifest parse), checks it against
-the live state before a byte of tensor data is read, verifies every object it names, and
-only then touches the live state. A damaged candidate is reported and the next one tried
-(when falling back is allowed); a mismatch with the live state is the caller's mistake and
-never falls back. ``restore`` (behind :func:`stepvault.restore`) chooses the candidates
-from the catalog (:func:`stepvault.catalog.choose_candidates`) and dispatches checkpoints
-written by several ranks to the distributed reader.
+It builds the source (the store, its cold tiers, this node's mem tier first), lets the
+source choose the candidates (the catalog's rules), and hands them to the planner: in
+this process (:func:`.planner.restore_local`: open once, check, verify, place, falling
+back past damage), or on every rank under a process group (:func:`.planner.restore_offer`:
+rank 0 chooses, one broadcast, one parse per rank, the ranks agree before placing).
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Iterator, MutableMapping
-from contextlib import contextmanager
+from collections.abc import MutableMapping
 from typing import Any, Literal
 
 import torch
 
-from .._progress import ProgressFn, terminal_bar
-from ..catalog.records import choose_candidates, listed_records
-from ..catalog.thinning import explain_weights_only
-from ..engine import PendingArray
+from .._progress import ProgressFn
 from ..errors import (
     CheckpointNotFoundError,
-    CorruptObjectError,
-    IntegrityError,
-    NoValidCheckpointError,
-    StateMismatchError,
-    StepvaultError,
     StoreNotFoundError,
-    StoreVersionError,
 )
-from ..format import decode_value
-from ..state import apply, validate
-from ..state.assigning import mapped_tree
-from ..state.placement import place_and_materialize
-from ..store import Store, validate_run_name, validate_step
-from .info import RestoreInfo, SkippedCheckpoint
-from .light import place_light, prepare_light
-from .opened import OpenedCheckpoint, open_checkpoint
+from ..store import Store, validate_run_name
+from .info import RestoreInfo
+from .planner import (
+    RestorePlanner,
+    Source,
+    place,
+    restore_local,
+    restore_offer,
+    restore_progress,
+    share_choice,
+)
 from .scope import is_collective
 
 Root = str | os.PathLike[str]
-
-
-class RestorePlanner:
-    """Restores one run of ``store``: every candidate is opened at most once."""
-
-    def __init__(
-        self,
-        store: Store,
-        run: str,
-        *,
-        workers: int | None = None,
-        progress: ProgressFn | None = None,
-    ) -> None:
-        self.store = store
-        self.run = run
-        self.workers = workers
-        #: ``progress(done, total)`` while a candidate's objects are fetched and verified
-        self.progress = progress
-        self._opened: dict[int, OpenedCheckpoint] = {}
-
-    def open(self, step: int) -> OpenedCheckpoint:
-        """``run@step`` opened (and kept: choosing and restoring it parse it once)."""
-        opened = self._opened.get(step)
-        if opened is None:
-            opened = self._opened[step] = open_checkpoint(
-                self.store, self.run, step, workers=self.workers
-            )
-        return opened
-
-    def forget(self, step: int) -> None:
-        """Drop ``run@step`` (and the verified bytes its reader holds)."""
-        opened = self._opened.pop(step, None)
-        if opened is not None:
-            opened.release()
-
-    def is_sharded(self, step: int) -> bool:
-        """Whether ``step`` was written by several ranks; False when it cannot be opened
-        (damaged or absent: restoring it reports that, and falls back)."""
-        try:
-            return self.open(step).sharded
-        except StepvaultError:
-            return False
-
-    def restore(
-        self,
-        state: MutableMapping[str, Any],
-        candidates: list[int],
-        *,
-        fallback: bool,
-        strict: bool = True,
-        full_only: bool = False,
-        assign: bool = False,
-        light: bool = False,
-    ) -> RestoreInfo:
-        """Restore the first of ``candidates`` that verifies (all tried if ``fallback``).
-
-        ``full_only`` passes over weights-only checkpoints (they cannot restore a training
-        state with an optimizer, step or RNG; they are not damaged, so not reported).
-        ``assign``: see :func:`restore`. ``light``: a light checkpoint may be restored (base +
-        decoded deltas, ``RestoreInfo.lossy``), but never one older than a full candidate
-        already tried; without it light ones are passed over (not reported).
-        """
-        t0 = time.perf_counter()
-        skipped: list[SkippedCheckpoint] = []
-        weights_only_steps: list[int] = []
-        seen_full = False
-        for candidate in candidates:
-            prepared = None
-            try:
-                opened = self._opened.pop(candidate, None) or open_checkpoint(
-                    self.store, self.run, candidate, workers=self.workers
-                )
-                if opened.manifest.kind == "light":
-                    if not light or seen_full:
-                        opened.release()
-                        continue
-                    # its base is opened and verified too: a damaged base is reported here
-                    prepared = prepare_light(
-                        self.store,
-                        opened,
-                        state,
-                        strict=strict,
-                        workers=self.workers,
-                        progress=self.progress,
-                    )
-                else:
-                    seen_full = seen_full or opened.manifest.kind == "full"
-                    if full_only and opened.manifest.kind != "full":
-                        opened.release()
-                        weights_only_steps.append(candidate)
-                        continue
-                    # A checkpoint that does not fit the live state is the caller's mistake,
-                    # not damage: report it before reading a byte, and never fall back past it.
-                    problems = validate(
-                        state, opened.meta_tree, opened.manifest.state_kinds, strict=strict
-                    )
-                    if problems:
-                        raise StateMismatchError(
-                            explain_weights_only(opened.manifest, list(state), problems)
-                        )
-                    opened.verify_all(self.progress)
-            except (IntegrityError, StoreVersionError) as exc:
-                reason = str(exc)
-                if isinstance(exc, CorruptObjectError) and exc.digest:
-                    # A damaged object must not be "deduplicated" into future checkpoints.
-                    reason += f" (object moved to {self.store.quarantine_object(exc.digest)})"
-                if not fallback:
-                    raise
-                skipped.append(SkippedCheckpoint(candidate, reason))
-                continue
-            # Every object is verified and the state fits: only now is live state touched.
-            if prepared is not None:
-                place_light(prepared, state, strict=strict, assign=assign)
-            else:
-                place(opened, state, strict=strict, assign=assign)
-            return RestoreInfo.of_manifest(
-                opened.manifest, opened.metadata(), skipped, time.perf_counter() - t0
-            )
-        if weights_only_steps and not skipped:
-            raise NoValidCheckpointError(
-                f"run {self.run!r} has only weights-only checkpoints "
-                f"({weights_only_steps[:5]}...), which cannot restore a training state; "
-                "restore the modules alone ({'model': model}) or save full checkpoints"
-            )
-        reasons = "\n  ".join(f"{s.step}: {s.reason}" for s in skipped)
-        raise NoValidCheckpointError(
-            f"no checkpoint of run {self.run!r} verifies; tried {len(skipped)}:\n  {reasons}",
-            skipped,
-        )
-
-
-def place(
-    opened: OpenedCheckpoint,
-    state: MutableMapping[str, Any],
-    *,
-    strict: bool,
-    assign: bool = False,
-) -> None:
-    """Copy a verified checkpoint into the live objects of ``state`` (the last step); with
-    ``assign`` the live objects take the (mapped) restored tensors instead."""
-    manifest = opened.manifest
-    pending = decode_value(manifest.state, PendingArray)
-    if assign:
-        tree = mapped_tree(state, pending, opened.reader)
-    else:
-        tree = place_and_materialize(state, pending, opened.reader)
-    opened.release()
-    apply(state, tree, manifest.state_kinds, strict=strict, validated=True, assign=assign)
 
 
 def restore_candidates(
@@ -272,67 +114,37 @@ def restore(
         if missing_ok:
             return None
         raise
-    from ..tiers.view import read_view, read_workers, with_copies, with_mem_tier
+    from ..tiers.view import read_view, with_mem_tier
 
     store = read_view(store)  # a store with cold tiers restores from any tier, hot first
     if mem is not False:  # this node's memory first, when it holds the run's mem tier
         store = with_mem_tier(store, run, None if mem is True else str(mem))
-    planner = RestorePlanner(store, run, workers=workers or read_workers(store))
-    with restore_progress(progress, store, f"restore {run}") as report:
-        planner.progress = report
-        if step == "latest":
-            steps = store.list_steps(run)
-            if not steps:
-                if missing_ok:
-                    return None
-                raise CheckpointNotFoundError(
-                    f"run {run!r} has no committed checkpoint in {store.backend.url} "
-                    f"(runs: {', '.join(store.list_runs()) or 'none'})"
-                )
-            if planner.is_sharded(steps[-1]):
-                _no_assign(assign)
-                return restore_collective(store, state, run, step, missing_ok, planner.workers)
-            # Like the manager: "latest" of a training state is the newest *full* checkpoint;
-            # a state of modules alone also takes weights-only ones.
-            full_only = any(not isinstance(v, torch.nn.Module) for v in state.values())
-            # Kinds are checked as each candidate is opened (full_only): no manifest is read
-            # ahead of the restore.
-            chosen = choose_candidates(listed_records(run, steps), "latest", full_only=False)
-            return planner.restore(
-                state,
-                with_copies(store, run, chosen.steps),  # a damaged copy: another tier's
-                fallback=True,
-                strict=strict,
-                full_only=full_only,
-                assign=assign,
-                light=resume_from_light,
-            )
-        explicit = validate_step(step)
-        if planner.is_sharded(explicit):
-            _no_assign(assign)
-            return restore_collective(store, state, run, step, missing_ok, planner.workers)
-        copies = with_copies(store, run, [explicit])  # the same step, any tier
-        return planner.restore(
-            state, copies, fallback=len(copies) > 1, strict=strict, assign=assign, light=True
+    source = Source(store, run)
+    chosen = source.choose(step, light=resume_from_light)
+    if not chosen.steps:
+        if missing_ok:
+            return None
+        raise CheckpointNotFoundError(
+            f"run {run!r} has no committed checkpoint in {store.backend.url} "
+            f"(runs: {', '.join(store.list_runs()) or 'none'})"
         )
-
-
-@contextmanager
-def restore_progress(
-    progress: bool | ProgressFn | None, store: Store, description: str
-) -> Iterator[ProgressFn | None]:
-    """The progress callback of a restore: the caller's, a terminal bar (``True``, or by
-    default when ``store`` reads from a remote tier: a slow restore), or None."""
-    if callable(progress):
-        yield progress
-        return
-    from ..tiers.view import read_workers
-
-    if progress is False or (progress is None and read_workers(store) is None):
-        yield None
-        return
-    with terminal_bar(description) as bar:
-        yield bar
+    return restore_local(
+        source,
+        state,
+        chosen,
+        strict=strict,
+        # Like the manager: "latest" of a training state is the newest *full* checkpoint; a
+        # state of modules alone also takes weights-only ones (kinds checked as each
+        # candidate is opened: no manifest is read ahead of the restore).
+        full_only=step == "latest"
+        and any(not isinstance(v, torch.nn.Module) for v in state.values()),
+        assign=assign,
+        # an explicit step may be a light one; "latest" only with resume_from_light
+        light=resume_from_light or step != "latest",
+        workers=workers,
+        progress=progress,
+        on_sharded=lambda _step: _no_assign(assign),
+    )
 
 
 def _no_assign(assign: bool) -> None:
@@ -352,21 +164,31 @@ def restore_collective(
     missing_ok: bool,
     workers: int | None,
 ) -> RestoreInfo | None:
-    """Every rank restores its part of ``run@step`` through DCP (resharding as needed)."""
-    from ..distributed.api import restore_state
-    from ..format import parse_manifest
+    """Every rank restores its part of ``run@step`` through the planner's collective path
+    (rank 0 chooses; candidates and manifest shared once; resharding as needed)."""
+    from ..distributed.api import handshake
 
-    t0 = time.perf_counter()
+    handshake(f"restore {run}", 60.0)  # every rank must call it: a clear error if not
     try:
         store = root if isinstance(root, Store) else Store.open(root)
     except StoreNotFoundError:
         if missing_ok:
             return None
         raise
-    if step == "latest" and not store.list_steps(run):
+    source = Source(store, run)
+    offer = share_choice(source, lambda: source.choose(step))
+    if not offer.steps:
         if missing_ok:
             return None
         raise CheckpointNotFoundError(f"run {run!r} has no committed checkpoint")
-    chosen = restore_state(store, state, run=run, step=step, workers=workers)
-    m = parse_manifest(store.read_manifest(run, chosen), f"{run}@{chosen}")
-    return RestoreInfo.of_manifest(m, m.metadata, [], time.perf_counter() - t0)
+    return restore_offer(source, state, offer, workers=workers)
+
+
+__all__ = [
+    "RestorePlanner",
+    "place",
+    "restore",
+    "restore_candidates",
+    "restore_collective",
+    "restore_progress",
+]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -12,10 +13,14 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import (
     CheckpointNotFoundError,
+    CorruptObjectError,
     IntegrityError,
+    ManifestError,
     NoValidCheckpointError,
+    StateMismatchError,
     StepvaultError,
 )
+from ..format import Manifest
 from ..format.settings import DEFAULT_STORE_SETTINGS
 from ..store import Store
 from .planners import SafeLoadPlanner, SafeSavePlanner
@@ -83,38 +88,22 @@ def load_sharded(
     and verify: if any rank finds damage, all ranks fall back together to the next one.
     """
     store = _store(root, create=False)
-    steps = store.list_steps(run)
-    candidates = list(reversed(steps)) if step == "latest" else [int(step)]
-    if dist.is_initialized():  # rank 0's view decides, so every rank tries the same list
-        box = [candidates]
-        dist.broadcast_object_list(box, src=0)
-        candidates = box[0]
-    if not candidates:
-        raise CheckpointNotFoundError(f"run {run!r} has no committed checkpoint")
-    skipped = []
-    for candidate in candidates:
-        try:
-            if hasattr(state_dict, "prune_for"):
-                from ..format import parse_manifest
 
-                state_dict.prune_for(
-                    parse_manifest(store.read_manifest(run, candidate), f"{run}@{candidate}")
-                )
-            dcp.load(
-                state_dict,
-                storage_reader=StepvaultReader(store, run, candidate, workers=workers),
-                planner=SafeLoadPlanner(),
-            )
-            return candidate
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
-            if step != "latest" or not _is_damage(exc):
-                raise
-            skipped.append((candidate, str(exc)))
-    raise NoValidCheckpointError(
-        f"no checkpoint of run {run!r} could be loaded on every rank: {skipped}", skipped
-    )
+    def attempt(candidate: int, manifest: Manifest) -> None:
+        if isinstance(state_dict, _Targets):
+            state_dict.prune_for(manifest)
+        _dcp_load(store, state_dict, run, candidate, manifest, workers)
+
+    offer = share_offer(store, run, lambda: _steps(store, run, step))
+    chosen, _, _ = try_candidates(store, run, offer, attempt)
+    return chosen
+
+
+def _steps(store: Store, run: str, step: int | Literal["latest"]) -> tuple[list[int], bool]:
+    """``"latest"``: every step, newest first, falling back; a step: that one alone."""
+    if step == "latest":
+        return list(reversed(store.list_steps(run))), True
+    return [int(step)], False
 
 
 def _is_damage(exc: BaseException) -> bool:
@@ -130,6 +119,169 @@ def _is_damage(exc: BaseException) -> bool:
             for f in failures.values()
         )
     return False
+
+
+def _mismatch(exc: BaseException) -> StateMismatchError | None:
+    """The :class:`StateMismatchError` a (DCP-wrapped) failure carries, if it is one."""
+    if isinstance(exc, StateMismatchError):
+        return exc
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            if isinstance(failure, StateMismatchError):
+                return failure
+    return None
+
+
+# ------------------------------------------------------------------ the collective restore
+# Rank 0 chooses; its candidates and the first candidate's manifest bytes reach every rank
+# in one broadcast; every rank parses that manifest once and hands the parsed manifest to
+# whatever reads it (the DCP reader, the pruning of RNG entries, the full-checkpoint path,
+# the caller's RestoreInfo). Damage anywhere is agreed on by every rank before any rank
+# places a byte, so every rank falls back together and none changes its state alone.
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _share(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (the value itself without a process group)."""
+    if _world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _manifest_bytes(store: Store, run: str, step: int) -> bytes | str:
+    """``run@step``'s manifest bytes, or why they cannot be read (rank 0 only)."""
+    try:
+        return store.read_manifest(run, step)
+    except StepvaultError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Rank 0's restore candidates, as every rank has them: the steps in order, whether
+    damage falls back, and the first step's manifest (bytes as read; why they could not
+    be read; or already parsed, in one process)."""
+
+    steps: list[int]
+    fallback: bool
+    first: bytes | str | Manifest | None = None
+
+
+def share_offer(store: Store, run: str, choose: Callable[[], tuple[list[int], bool]]) -> Offer:
+    """Collective: rank 0 runs ``choose()`` (``(steps, fallback)``) and reads the first
+    step's manifest; every rank gets both in one broadcast. An error on rank 0 is raised
+    on every rank (no rank is left waiting)."""
+    payload: tuple[Any, ...] | None = None
+    error: BaseException | None = None
+    if _rank() == 0:
+        try:
+            steps, fallback = choose()
+            first = _manifest_bytes(store, run, steps[0]) if steps else None
+            payload = ("ok", list(steps), bool(fallback), first)
+        except Exception as exc:  # every rank must hear of it
+            error, payload = exc, ("error", f"{type(exc).__name__}: {exc}")
+    payload = _share(payload)
+    if error is not None:
+        raise error
+    assert payload is not None
+    if payload[0] == "error":
+        raise StepvaultError(f"choosing the checkpoint of {run!r} failed on rank 0: {payload[1]}")
+    return Offer(payload[1], payload[2], payload[3])
+
+
+def try_candidates(
+    store: Store,
+    run: str,
+    offer: Offer,
+    attempt: Callable[[int, Manifest], None],
+) -> tuple[int, Manifest, list[tuple[int, str]]]:
+    """Collective: ``attempt(step, manifest)`` on every rank for each step of ``offer``
+    until one succeeds everywhere; ``(step, manifest, skipped)``.
+
+    Each candidate's manifest is parsed once per rank (the first from the offer; after a
+    fallback rank 0 reads the next one and shares its bytes). A damaged candidate
+    (unreadable manifest, or an :class:`IntegrityError` that ``attempt`` raised on any
+    rank: the ranks agree before placing) is skipped when ``offer.fallback``; any other
+    failure, a :class:`StateMismatchError` included, is raised. Raises
+    :class:`CheckpointNotFoundError` when the offer is empty.
+    """
+    from ..format import parse_manifest
+
+    if not offer.steps:
+        raise CheckpointNotFoundError(f"run {run!r} has no committed checkpoint")
+    skipped: list[tuple[int, str]] = []
+    data = offer.first
+    for i, candidate in enumerate(offer.steps):
+        if i:  # a fallback: the next candidate's manifest, shared the same way
+            data = _share(_manifest_bytes(store, run, candidate) if _rank() == 0 else None)
+        try:
+            if isinstance(data, str) or data is None:
+                raise ManifestError(f"{run}@{candidate}: {data or 'no manifest'}")
+            manifest = (
+                data
+                if isinstance(data, Manifest)
+                else parse_manifest(data, f"{run}@{candidate}")
+            )
+            attempt(candidate, manifest)
+            return candidate, manifest, skipped
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            mismatch = _mismatch(exc)
+            if mismatch is not None:
+                raise mismatch from None
+            if not offer.fallback or not _is_damage(exc):
+                raise
+            skipped.append((candidate, str(exc)))
+    raise NoValidCheckpointError(
+        f"no checkpoint of run {run!r} could be loaded on every rank: {skipped}", skipped
+    )
+
+
+def agree(store: Store, damage: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank when any rank found damage (its own error where it
+    found it, an :class:`IntegrityError` naming the rank elsewhere); the damaged object is
+    quarantined so that no later save deduplicates against it."""
+    if isinstance(damage, CorruptObjectError) and damage.digest:
+        store.quarantine_object(damage.digest)
+    mine = None if damage is None else f"{type(damage).__name__}: {damage}"
+    everyone: list[Any] = [mine]
+    if _world() > 1:
+        everyone = [None] * _world()
+        dist.all_gather_object(everyone, mine)
+    if damage is not None:
+        raise damage
+    bad = [(rank, why) for rank, why in enumerate(everyone) if why is not None]
+    if bad:
+        rank, why = bad[0]
+        raise IntegrityError(f"{what}: rank {rank} found damage: {why}")
+
+
+def _dcp_load(
+    store: Store,
+    targets: MutableMapping[str, Any],
+    run: str,
+    step: int,
+    manifest: Manifest,
+    workers: int | None,
+) -> None:
+    """One DCP load of ``run@step`` (its manifest parsed) into ``targets``: every rank
+    verifies what it needs and the ranks agree before any byte is placed."""
+    reader = StepvaultReader(
+        store,
+        run,
+        step,
+        workers=workers,
+        manifest=manifest,
+        verified=lambda damage: agree(store, damage, f"{run}@{step}"),
+    )
+    dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner())
 
 
 __all__ = ["load_sharded", "restore_state", "save_sharded", "save_state", "torch"]
@@ -284,40 +436,192 @@ def restore_state(
     step: int | Literal["latest"] = "latest",
     workers: int | None = None,
     timeout: float = 60.0,
+    strict: bool = True,
 ) -> int:
-    """``stepvault.restore`` on every rank (resharding to this world size); returns the step."""
+    """``stepvault.restore`` on every rank (resharding to this world size); returns the step.
+
+    ``"latest"`` is the newest checkpoint that every rank verifies (all fall back
+    together). The core's restore planner chooses its own candidates and calls
+    :func:`try_candidates` with :func:`restore_checkpoint` instead.
+    """
     handshake(f"restore {run}", timeout)
     store = _store(root, create=False)
-    newest: int | Literal["latest"] | None = step
-    if step == "latest":
-        steps = store.list_steps(run)
-        newest = steps[-1] if steps else None
-    if dist.is_initialized():
-        box = [newest]
-        dist.broadcast_object_list(box, src=0)
-        newest = box[0]
-    if isinstance(newest, int) and not _sharded(store, run, newest):
-        # Written by a single-process save: every rank reads the full checkpoint and keeps
-        # its own shards (it fitted in one process when it was saved).
-        from .state import restore_full_checkpoint
 
-        restore_full_checkpoint(store, state, run, newest, workers=workers)
-        return newest
-    dcp_state, kinds = to_dcp(state)
-    rank_key = f"rank{_rank()}"
-    targets = _Targets(store, run, dcp_state, kinds, rank_key)
-    chosen = load_sharded(store, targets, run=run, step=step, workers=workers)
-    apply_dcp(state, targets, kinds)
+    def attempt(candidate: int, manifest: Manifest) -> None:
+        restore_checkpoint(store, state, run, candidate, manifest, workers=workers, strict=strict)
+
+    # rank 0's view decides, so every rank tries the same list
+    offer = share_offer(store, run, lambda: _steps(store, run, step))
+    chosen, _, _ = try_candidates(store, run, offer, attempt)
     return chosen
 
 
-def _sharded(store: Store, run: str, step: int) -> bool:
-    from ..format import parse_manifest
+def restore_checkpoint(
+    store: Store,
+    state: MutableMapping[str, Any],
+    run: str,
+    step: int,
+    manifest: Manifest,
+    *,
+    workers: int | None = None,
+    strict: bool = True,
+) -> None:
+    """Collective: restore ``run@step`` (``manifest`` already parsed) into the live
+    objects of ``state`` on every rank, resharding as needed.
 
+    Invariant 4 on every rank: the checkpoint is checked against the live state (a
+    :class:`StateMismatchError` on every rank when it does not fit), every object this
+    rank needs is verified and the ranks agree that all did, and only then is live state
+    changed. A fresh optimizer that DCP gave a state to build its load targets is emptied
+    again when the restore fails.
+    """
+    fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
     try:
-        return bool(parse_manifest(store.read_manifest(run, step), f"{run}@{step}").sharded)
-    except StepvaultError:
-        return True  # let the DCP path report (and fall back past) the damage
+        if manifest.sharded:
+            _restore_sharded(store, state, run, step, manifest, workers, strict)
+        else:
+            _restore_full(store, state, run, step, manifest, workers, strict)
+    except BaseException:
+        for opt in fresh:
+            opt.state.clear()
+        raise
+
+
+def _restore_sharded(
+    store: Store,
+    state: MutableMapping[str, Any],
+    run: str,
+    step: int,
+    manifest: Manifest,
+    workers: int | None,
+    strict: bool,
+) -> None:
+    dcp_state, kinds = to_dcp(state)
+    targets = _Targets(store, run, dcp_state, kinds, f"rank{_rank()}")
+    targets.prune_for(manifest)
+    _agree_fits(_sharded_problems(manifest, targets), manifest, list(state))
+    _dcp_load(store, targets, run, step, manifest, workers)
+    apply_dcp(state, targets, kinds)
+
+
+def _restore_full(
+    store: Store,
+    state: MutableMapping[str, Any],
+    run: str,
+    step: int,
+    manifest: Manifest,
+    workers: int | None,
+    strict: bool,
+) -> None:
+    """A checkpoint of one process on every rank: read whole (it fitted in one process
+    when it was saved), checked, verified and agreed on; each rank keeps its shards."""
+    from ..engine import CheckpointReader
+    from ..engine.load import _pick
+    from ..format import decode_value
+    from .state import restore_full_checkpoint
+
+    reader = CheckpointReader(store, manifest, workers=workers)
+    meta = decode_value(manifest.state, lambda kind, name: reader.meta(name))
+    _agree_fits(_full_problems(state, meta, manifest, strict), manifest, list(state))
+    damage: BaseException | None = None
+    tree: dict[str, Any] = {}
+    try:
+        arrays = reader.read_all()
+        tree = decode_value(manifest.state, lambda kind, name: _pick(arrays, kind, name))
+    except StepvaultError as exc:
+        damage = exc
+    agree(store, damage, f"{run}@{step}")
+    restore_full_checkpoint(store, state, run, step, workers=workers, loaded=(manifest, tree))
+
+
+def _agree_fits(problems: list[str], manifest: Manifest, keys: list[str]) -> None:
+    """Collective: a :class:`StateMismatchError` on every rank when the checkpoint does
+    not fit the live state of any rank (no byte read yet)."""
+    mine = "\n".join(problems) or None
+    everyone = [mine]
+    if _world() > 1:
+        everyone = [None] * _world()
+        dist.all_gather_object(everyone, mine)
+    bad = [(r, why) for r, why in enumerate(everyone) if why]
+    if bad:
+        rank, why = bad[0]
+        raise StateMismatchError(
+            f"{manifest.run}@{manifest.step} does not fit the live state"
+            f"{f' of rank {rank}' if _world() > 1 else ''} (nothing was changed):\n{why}"
+        )
+
+
+def _sharded_problems(manifest: Manifest, targets: Mapping[str, Any]) -> list[str]:
+    """What stops DCP from loading ``manifest`` into ``targets``: tensors the checkpoint
+    lacks or holds with another (global) shape."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    entries = (manifest.sharded or {}).get("entries", {})
+    flat, _ = flatten_state_dict(dict(targets))
+    problems = []
+    for fqn, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        entry = entries.get(fqn)
+        if entry is None:
+            problems.append(f"{fqn}: not in checkpoint")
+        elif entry.get("type") == "tensor" and list(entry["size"]) != list(value.size()):
+            problems.append(
+                f"{fqn}: checkpoint has shape {tuple(entry['size'])}, live {tuple(value.size())}"
+            )
+    return problems
+
+
+def _full_problems(
+    state: Mapping[str, Any], meta: dict[str, Any], manifest: Manifest, strict: bool
+) -> list[str]:
+    """What stops a one-process checkpoint (``meta``: its tree of meta tensors) from
+    loading into ``state``: modules compared by their full (global) parameter shapes,
+    the rest by :func:`stepvault.state.validate`."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ..state import validate
+
+    problems: list[str] = []
+    rest_state: dict[str, Any] = {}
+    for key, obj in state.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            continue  # loaded with its module; validated by DCP's set_state_dict
+        if key not in meta:
+            if strict:
+                problems.append(f"{key}: not in checkpoint (it has: {', '.join(meta)})")
+            continue
+        if isinstance(obj, torch.nn.Module):
+            # Names as DCP's full state dict has them (no DDP "module." or compile prefix);
+            # names only one side has are left to set_state_dict (strict) to report.
+            saved = {
+                _fqn(name): value
+                for name, value in (meta[key] if isinstance(meta[key], Mapping) else {}).items()
+            }
+            for name, tensor in get_model_state_dict(obj).items():
+                if isinstance(saved.get(name), torch.Tensor) and tuple(saved[name].shape) != tuple(
+                    tensor.size()
+                ):
+                    problems.append(
+                        f"{key}.{name}: checkpoint has shape {tuple(saved[name].shape)}, "
+                        f"live {tuple(tensor.size())}"
+                    )
+            continue
+        rest_state[key] = obj
+    problems += validate(
+        rest_state,
+        {k: meta[k] for k in rest_state},
+        {k: manifest.state_kinds.get(k, "value") for k in rest_state},
+        strict=False,
+    )
+    return problems
+
+
+def _fqn(name: str) -> str:
+    """``name`` without the wrapper prefixes (DDP's ``module.``, compile's ``_orig_mod.``)."""
+    while name.startswith(("module.", "_orig_mod.")):
+        name = name.partition(".")[2]
+    return name
 
 
 class _Targets(dict):

@@ -195,16 +195,26 @@ def _fqn_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, nat
 
 
 def restore_full_checkpoint(
-    store, state: MutableMapping[str, Any], run: str, step: int, *, workers: int | None = None
+    store,
+    state: MutableMapping[str, Any],
+    run: str,
+    step: int,
+    *,
+    workers: int | None = None,
+    loaded: tuple[Any, dict[str, Any]] | None = None,
 ) -> None:
     """Load a single-process checkpoint on every rank: read it whole (verified), then let
-    ``set_state_dict(full_state_dict=True)`` keep each rank's shards."""
+    ``set_state_dict(full_state_dict=True)`` keep each rank's shards. ``loaded``: its
+    ``(manifest, tree)`` already read, verified and checked (the restore planner's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from ..engine.load import load_verified
     from ..state.apply import apply
 
-    _manifest, tree, _ = load_verified(store, run, step, workers=workers)
+    if loaded is None:
+        _manifest, tree, _ = load_verified(store, run, step, workers=workers)
+    else:
+        _manifest, tree = loaded
     pairs = _pairs(state)
     full = StateDictOptions(full_state_dict=True)
     rest_state, rest_tree, rest_kinds = {}, {}, {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -36,7 +37,7 @@ from torch.futures import Future
 
 from .._env import environment
 from ..engine import CheckpointReader, to_host, write_objects
-from ..errors import ManifestError
+from ..errors import ManifestError, StepvaultError
 from ..format import Manifest, ObjectEntry, parse_manifest, serialize_manifest
 from ..format.encoding import torch_dtype, torch_dtype_name
 from ..format.manifest import TensorEntry
@@ -248,22 +249,36 @@ def shard_tensor(reader: CheckpointReader, dtype: str, shard: dict[str, Any]) ->
 class StepvaultReader(StorageReader):
     """Reads a checkpoint for ``torch.distributed.checkpoint.load`` on any number of ranks."""
 
-    def __init__(self, store: Store, run: str, step: int, *, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        step: int,
+        *,
+        workers: int | None = None,
+        manifest: Manifest | None = None,
+        verified: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
         super().__init__()
         self.store = store
         self.run = validate_run_name(run)
         self.step = validate_step(step)
         self.workers = workers
-        self.manifest: Manifest | None = None
+        #: the manifest already parsed by the restore planner (None: parsed here)
+        self.manifest: Manifest | None = manifest
+        #: called on every rank once its objects are verified (with the damage found, or
+        #: None) and before any byte is placed: the ranks agree there (invariant 4)
+        self.verified = verified
         self.storage_data: dict[MetadataIndex, Any] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self.manifest = parse_manifest(
-            self.store.read_manifest(self.run, self.step), f"{self.run}@{self.step}"
-        )
+        if self.manifest is None:
+            self.manifest = parse_manifest(
+                self.store.read_manifest(self.run, self.step), f"{self.run}@{self.step}"
+            )
         return sharded_metadata(self.manifest)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *a, **k) -> None:
@@ -283,12 +298,20 @@ class StepvaultReader(StorageReader):
         assert self.manifest is not None
         reader = CheckpointReader(self.store, self.manifest, workers=self.workers)
         # Verify every object this rank needs before a single byte reaches the state.
-        reader.prefetch(
-            c[0]
-            for item in plan.items
-            if item.type != LoadItemType.BYTE_IO
-            for c in self.storage_data[item.storage_index]["chunks"]
-        )
+        damage: BaseException | None = None
+        try:
+            reader.prefetch(
+                c[0]
+                for item in plan.items
+                if item.type != LoadItemType.BYTE_IO
+                for c in self.storage_data[item.storage_index]["chunks"]
+            )
+        except StepvaultError as exc:
+            damage = exc
+        if self.verified is not None:
+            self.verified(damage)  # raises on every rank when any rank found damage
+        elif damage is not None:
+            raise damage
         shards: dict[MetadataIndex, torch.Tensor] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]

@@ -10,9 +10,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..catalog import checkpoint_records, choose_candidates
+from ..catalog import checkpoint_records
 from ..core.info import RestoreInfo
-from ..core.restore import restore_candidates
+from ..core.planner import Source, restore_local
 from ..errors import CheckpointNotFoundError, StoreNotFoundError
 from ..store import Store
 
@@ -51,10 +51,19 @@ def finite_metrics(values: Mapping[str, Any]) -> dict[str, float]:
 def restore_candidates_for(
     store: Store, run: str, step: StepRef, best: tuple[str, str] | None
 ) -> tuple[list[int], bool]:
-    """``(candidates, fallback)`` for a restore without a manager (the manager's rules:
-    :func:`stepvault.catalog.choose_candidates`)."""
-    chosen = choose_candidates(checkpoint_records(store, run), step, best=best)
+    """``(candidates, fallback)`` for a restore without a manager: the planner's choice
+    (:meth:`stepvault.core.planner.Source.choose`) over the run's records."""
+    chosen = _source(store, run).choose(step, best=best)
     return chosen.steps, chosen.fallback
+
+
+def _source(store: Store, run: str) -> Source:
+    """``run`` through the tier view (any tier, hot first), chosen from its records (full
+    checkpoints only for "latest": a trainer resumes a training state)."""
+    from ..tiers.view import read_view
+
+    view = read_view(store)
+    return Source(view, run, records=lambda: checkpoint_records(view, run, protected=False))
 
 
 def read_checkpoint(
@@ -68,20 +77,20 @@ def read_checkpoint(
 ) -> RestoreInfo:
     """Read a checkpoint into ``holder`` without taking the run's lease (for evaluation).
 
-    Every object is verified; for ``"latest"``/``"best"`` a damaged checkpoint is skipped
-    (and reported in ``info.skipped``) and the next one is tried. Raises
-    :class:`CheckpointNotFoundError` when there is nothing to read.
+    Through the one restore planner, from any tier of the store: every object is verified
+    and ``holder`` checked before anything in it changes; for ``"latest"``/``"best"`` a
+    damaged checkpoint is skipped (and reported in ``info.skipped``) and the next one is
+    tried. Raises :class:`CheckpointNotFoundError` when there is nothing to read.
     """
     store = root if isinstance(root, Store) else Store.open(root)
-    candidates, fallback = restore_candidates_for(store, run, step, best)
-    if not candidates:
+    source = _source(store, run)
+    chosen = source.choose(step, best=best)
+    if not chosen.steps:
         raise CheckpointNotFoundError(
             f"run {run!r} has no {'scored ' if step == 'best' else ''}full checkpoint in "
             f"{store.backend.url}"
         )
-    return restore_candidates(
-        store, holder, run, candidates, fallback=fallback, strict=False, workers=workers
-    )
+    return restore_local(source, holder, chosen, strict=False, workers=workers, progress=False)
 
 
 def has_full_checkpoint(root: str | os.PathLike[str] | Store, run: str) -> bool:

@@ -1,6 +1,10 @@
-"""The manager's restore: choose candidates from the catalog, agree on them across ranks,
-then restore through the core's planner (or every rank through DCP for a multi-rank
-checkpoint), recording the outcome."""
+"""The manager's restore: the core's one planner over the manager's sources (node memory
+of every rank and its buddy, first; then the tier view), recording the outcome.
+
+Candidates come from the session's records (summary cache, every tier) by the catalog's
+rules; under a process group rank 0 chooses and the candidates reach every rank with the
+first one's manifest in one broadcast (:func:`stepvault.core.planner.share_choice`), used
+by the memory restore and the disk restore alike."""
 
 from __future__ import annotations
 
@@ -8,11 +12,9 @@ import time
 from collections.abc import MutableMapping
 from typing import Any, Literal
 
-from ..catalog import choose_candidates
-from ..core.info import RestoreInfo, SkippedCheckpoint
-from ..core.restore import RestorePlanner
-from ..errors import NoValidCheckpointError
-from ..format import parse_manifest
+from ..catalog import Candidates
+from ..core.info import RestoreInfo
+from ..core.planner import Source, restore_local, restore_offer, share_choice
 from ..store import validate_step
 from .session import RunSession
 
@@ -31,54 +33,72 @@ class ManagerRestorer:
         #: when reading from a remote tier), as in :func:`stepvault.restore`
         self.progress: Any = None
 
-    def candidates(self, step: StepRef) -> tuple[list[int], bool]:
-        """``(steps to try in order, may fall back)`` for ``step`` (rank 0's, shared)."""
+    def source(self) -> Source:
+        """The run through the tier view; "latest" from every tier's records, "best" from
+        the hot store's annotated ones."""
         s = self.session
-        if step == "latest":
-            chosen = choose_candidates(  # every tier's
-                s.all_tier_records(), "latest", light=s.options.resume_from_light
-            )
-        elif step == "best":
-            if not self.best:
-                raise ValueError(
-                    "restore(step='best') needs a metric: pass best_metric= to the manager "
-                    "or use a KeepBest keep policy"
-                )
-            chosen = choose_candidates(s.records(), "best", best=self.best[0])  # annotated
-        else:
-            chosen = choose_candidates([], validate_step(step))
-        candidates, fallback = s.scope.share(chosen.steps), chosen.fallback
-        if s.view is not s.store and not s.scope.collective:
-            from ..tiers.view import with_copies
+        return Source(s.view, s.run, records=s.all_tier_records, scored=s.records)
 
-            # A damaged hot copy is quarantined, then the same step is read from a cold tier.
-            candidates = with_copies(s.view, s.run, candidates)
-            fallback = fallback or len(candidates) > 1
-        return candidates, fallback
+    def choose(self, step: StepRef) -> Candidates:
+        """What a restore of ``step`` tries (this rank's view; see :meth:`restore`)."""
+        return self.source().choose(
+            step,
+            best=self.best[0] if self.best else None,
+            light=self.session.options.resume_from_light,
+        )
 
     def restore(
         self, state: MutableMapping[str, Any], step: StepRef, *, strict: bool, assign: bool = False
     ) -> RestoreInfo | None:
         s = self.session
         t0 = time.perf_counter()
-        candidates, fallback = self.candidates(step)
+        # Checked on every rank before any collective, so that no rank waits for another.
+        if step == "best" and not self.best:
+            raise ValueError(
+                "restore(step='best') needs a metric: pass best_metric= to the manager "
+                "or use a KeepBest keep policy"
+            )
+        if step not in ("latest", "best"):
+            validate_step(step)
+        if assign and s.scope.collective:
+            raise ValueError("restore(assign=True) is for one process; pass assign=False")
+        source = self.source()
+        offer = None
+        if s.scope.collective:  # rank 0 chooses; one broadcast with the first manifest
+            offer = share_choice(source, lambda: self.choose(step))
+            chosen = Candidates(offer.steps, offer.fallback)
+        else:
+            chosen = self.choose(step)
         if self.memory is not None and step != "best":
             if step == "latest":
-                info = self.memory.restore(state, max(candidates) if candidates else None)
+                info = self.memory.restore(state, max(chosen.steps) if chosen.steps else None)
             else:  # that step, from memory when every rank can get it there
                 info = self.memory.restore(state, None, step=validate_step(step))
             if info is not None:  # own or the buddy's memory; every rank the same step
                 return self._restored_from_memory(info, t0, str(step))
-        if not candidates:
+        if not chosen.steps:
             s.event("restore", step=None, result="fresh start")
             return None
         reset = getattr(s.view, "reset_served", None)
         if reset is not None:
             reset()  # the view counts bytes per tier: which one the restore came from
         try:
-            # an explicit step may be a light one; "latest"/"best" only when the manager says so
-            light = s.options.resume_from_light or not isinstance(step, str)
-            info = self._restore(state, candidates, fallback, strict, assign, light)
+            if offer is not None:
+                info = restore_offer(source, state, offer, strict=strict, workers=s.options.workers)
+            else:
+                info = restore_local(
+                    source,
+                    state,
+                    chosen,
+                    strict=strict,
+                    assign=assign,
+                    # an explicit step may be a light one; "latest"/"best" only when the
+                    # manager says so
+                    light=s.options.resume_from_light or not isinstance(step, str),
+                    workers=s.options.workers,
+                    progress=self.progress,
+                    on_sharded=lambda first: s.scope.check_restore(s.run, first),
+                )
         except BaseException as exc:
             skipped = getattr(exc, "skipped", [])
             s.stats.restored(False, len(skipped))
@@ -88,7 +108,7 @@ class ManagerRestorer:
                 "restore_failed",
                 requested=str(step),
                 error=f"{type(exc).__name__}: {exc}",
-                skipped=[{"step": k.step, "reason": k.reason} for k in skipped],
+                skipped=[_skipped_json(k) for k in skipped],
             )
             raise
         served = dict(getattr(s.view, "served", {}))
@@ -131,69 +151,9 @@ class ManagerRestorer:
         )
         return info
 
-    def _restore(
-        self,
-        state: MutableMapping[str, Any],
-        candidates: list[int],
-        fallback: bool,
-        strict: bool,
-        assign: bool = False,
-        light: bool = False,
-    ) -> RestoreInfo:
-        s = self.session
-        if assign and s.scope.collective:
-            raise ValueError("restore(assign=True) is for one process; pass assign=False")
-        if s.scope.collective:
-            return self._restore_collective(state, candidates, fallback)
-        from ..tiers.view import read_workers
 
-        planner = RestorePlanner(
-            s.view,
-            s.run,
-            workers=s.options.workers or read_workers(s.view),  # many on S3
-        )
-        first = candidates[0]
-        if planner.is_sharded(first) and planner.open(first).manifest.kind == "full":
-            s.scope.check_restore(s.run, first)
-            return self._restore_collective(state, candidates, fallback)
-        from ..core.restore import restore_progress
-
-        with restore_progress(self.progress, s.view, f"restore {s.run}") as report:
-            planner.progress = report
-            return planner.restore(
-                state,
-                candidates,
-                fallback=fallback,
-                strict=strict,
-                assign=assign,
-                light=light,
-            )
-
-    def _restore_collective(
-        self, state: MutableMapping[str, Any], candidates: list[int], fallback: bool
-    ) -> RestoreInfo:
-        """Every rank loads its part (resharding as needed); all fall back together."""
-        from ..distributed.api import _is_damage, restore_state
-
-        s = self.session
-        t0 = time.perf_counter()
-        skipped: list[SkippedCheckpoint] = []
-        for candidate in candidates:
-            try:
-                # Through the tier view: a checkpoint evicted from hot is read from a cold
-                # tier by every rank (objects from the first tier that has them).
-                chosen = restore_state(
-                    s.view, state, run=s.run, step=candidate, workers=s.options.workers
-                )
-            except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt | SystemExit):
-                    raise
-                if not fallback or not _is_damage(exc):
-                    raise
-                skipped.append(SkippedCheckpoint(candidate, str(exc)))
-                continue
-            m = parse_manifest(s.view.read_manifest(s.run, chosen), f"{s.run}@{chosen}")
-            return RestoreInfo.of_manifest(m, m.metadata, skipped, time.perf_counter() - t0)
-        raise NoValidCheckpointError(
-            f"no checkpoint of run {s.run!r} could be restored on every rank", skipped
-        )
+def _skipped_json(k: Any) -> dict[str, Any]:
+    """A skipped checkpoint in an event (a SkippedCheckpoint, or a collective (step, reason))."""
+    if isinstance(k, tuple):
+        return {"step": k[0], "reason": k[1]}
+    return {"step": k.step, "reason": k.reason}
