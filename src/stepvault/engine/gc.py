@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ..errors import StepvaultError
 from ..format import parse_manifest
 from ..store import Store
+from .object_lists import envelope_digest, load_object_lists, save_object_lists
 
 DEFAULT_GRACE_SECONDS = 900.0
 
@@ -38,17 +39,39 @@ class SweepReport:
 
 
 def referenced_objects(store: Store) -> tuple[set[str], list[str]]:
-    """Every object a committed manifest names, and the manifests that could not be read."""
+    """Every object a committed manifest names, and the manifests that could not be read.
+
+    Every manifest of every run is read; its object list comes from the lists recorded
+    at commit (:mod:`.object_lists`) when its envelope names a recorded checksum, and from
+    a full parse otherwise. Runs whose record was incomplete get it compacted.
+    """
     live: set[str] = set()
     unreadable: list[str] = []
     for run in store.list_runs():
-        for step in store.list_steps(run):
-            try:
-                m = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
-            except StepvaultError:
-                unreadable.append(f"{run}@{step}")
+        lists, had_log = load_object_lists(store, run)
+        used: dict[str, list[str]] = {}
+        parsed = 0
+        for step, data in store.read_manifests(run, store.list_steps(run)):
+            where = f"{run}@{step}"
+            if isinstance(data, StepvaultError):
+                unreadable.append(where)
                 continue
+            digest = envelope_digest(data)
+            if digest is not None and digest in lists:
+                used[digest] = lists[digest]
+                live.update(lists[digest])
+                continue
+            try:
+                m = parse_manifest(data, where)
+            except StepvaultError:
+                unreadable.append(where)
+                continue
+            parsed += 1
             live.update(m.objects)
+            if digest is not None:
+                used[digest] = sorted(m.objects)
+        if parsed or had_log or len(used) != len(lists):
+            save_object_lists(store, run, used, had_log)
     return live, unreadable
 
 

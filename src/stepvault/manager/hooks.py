@@ -14,6 +14,7 @@ from ..catalog import apply_retention
 from ..core.info import SaveInfo
 from ..policy import KeepAny, KeepBest, KeepPolicy, RetentionPlan, plan_retention
 from .session import RunSession
+from .sweeping import Sweeper
 
 
 def tracked_best(keep: KeepPolicy | None, metric: str | None, mode: str) -> list[tuple[str, str]]:
@@ -44,11 +45,14 @@ class Retention:
         keep: KeepPolicy | None,
         best: list[tuple[str, str]],
         mover: Any = None,
+        sweeper: Sweeper | None = None,
     ) -> None:
         self.session = session
         self.keep = keep
         self.best = best
         self.mover = mover
+        #: sweeps the deleted checkpoints' objects off the commit path (.sweeping)
+        self.sweeper = sweeper
 
     def plan(self) -> RetentionPlan:
         """What the keep policy would delete now, and which rule (or reader hold) keeps
@@ -79,6 +83,9 @@ class Retention:
             hold=self.mover.hold if self.mover is not None else None,
             grace_seconds=s.options.gc_grace_seconds,
             log=s.event,
+            # Manifests only: the sweep, a pass over the whole store, runs off the commit
+            # path (.sweeping), or at once where no sweeper runs.
+            sweep_objects=False if self.sweeper is not None else None,
         )
         for step in result.deleted + result.thinned:  # a thinned manifest is a new record
             s.forget(step)
@@ -86,6 +93,8 @@ class Retention:
             s.stats.deleted += len(result.deleted)
             if result.sweep is not None:
                 s.stats.freed_bytes += result.sweep.freed_bytes
+        if self.sweeper is not None:
+            self.sweeper.deleted(len(result.deleted) + len(result.thinned))
 
     def __call__(self, info: SaveInfo) -> None:
         if self.session.scope.coordinator:
