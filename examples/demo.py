@@ -149,7 +149,7 @@ def main() -> int:
     while child.poll() is None:
         try:
             steps = stepvault.open(args.store).steps(RUN)
-        except stepvault.StepvaultError:
+        except stepvault.errors.StepvaultError:
             steps = []
         if steps and steps[-1] >= KILL_AFTER_CHECKPOINTS * SAVE_EVERY:
             break
@@ -176,7 +176,7 @@ def main() -> int:
     print(
         f"\n== 3. flipped one bit in object {victim[:16]}… of {RUN}@{newest} (bit rot)", flush=True
     )
-    report = stepvault.verify(args.store, deep=True)
+    report = stepvault.ops.verify(args.store, deep=True)
     print(
         f"   deep verify: damaged checkpoints: {[f'{c.run}@{c.step}' for c in report.damaged]}",
         flush=True,

@@ -116,7 +116,7 @@ def kill_job_when_saved(
                 raise AssertionError(f"the job ended before it was killed: {proc.stderr.read()}")
             try:
                 steps = stepvault.open(root).steps(run)
-            except stepvault.StepvaultError:
+            except stepvault.errors.StepvaultError:
                 steps = []
             if steps and steps[-1] >= min_step:
                 break

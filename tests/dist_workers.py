@@ -208,7 +208,7 @@ def task_rank0_only_sharded_save(rank, world, root, out):
     if rank == 0:
         try:
             stepvault.save(root, state, run="bad", step=1, collective=False)
-        except stepvault.StepvaultError as exc:
+        except stepvault.errors.StepvaultError as exc:
             with open(os.path.join(out, "err.txt"), "w") as f:
                 f.write(str(exc))
     dist.barrier()
@@ -396,7 +396,7 @@ def task_manager_rank0_only(rank, world, root, out):
         try:
             with stepvault.CheckpointManager(root, "bad", collective=False) as m:
                 m.save(1, sharded)
-        except stepvault.StepvaultError as exc:
+        except stepvault.errors.StepvaultError as exc:
             assert "sharded DTensors" in str(exc)
         else:
             raise AssertionError("sharded state saved from one rank")

@@ -107,7 +107,7 @@ def kill_when_saved(
                 raise AssertionError(f"{script} ended before it was killed: {proc.stderr.read()}")
             try:
                 steps = stepvault.open(root).steps(run)
-            except stepvault.StepvaultError:
+            except stepvault.errors.StepvaultError:
                 steps = []
             if steps and steps[-1] >= min_step:
                 break

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepvault.catalog.vault import parse_ref
+from stepvault.catalog.refs import parse_ref
 from stepvault.errors import InvalidNameError
 from stepvault.format.chunking import (
     BUNDLE_ALIGN,

@@ -49,8 +49,8 @@ def test_gc_dry_run_then_real(tmp_path):
     assert doc["deleted_checkpoints"] == [1, 2, 4]
     assert doc["deleted_objects"] > 0 and doc["freed_bytes"] > 0
     assert stepvault.open(tmp_path).steps("r") == [3, 5, 6]
-    assert stepvault.verify(tmp_path, deep=True).ok
-    assert stepvault.usage(tmp_path).unreferenced_objects == 0
+    assert stepvault.ops.verify(tmp_path, deep=True).ok
+    assert stepvault.ops.usage(tmp_path).unreferenced_objects == 0
 
 
 def test_gc_respects_grace_and_needs_run_for_rules(tmp_path):

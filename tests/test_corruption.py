@@ -52,8 +52,8 @@ def _live():
 def test_flipped_byte_found_by_deep_verify_and_skipped_by_restore(two_checkpoints):
     root, only2, first = two_checkpoints
     _flip_last_byte(_object_path(root, next(iter(only2))))
-    assert stepvault.verify(root).ok  # sizes unchanged: quick verify cannot see a flip
-    report = stepvault.verify(root, deep=True)
+    assert stepvault.ops.verify(root).ok  # sizes unchanged: quick verify cannot see a flip
+    report = stepvault.ops.verify(root, deep=True)
     assert not report.ok
     assert [(c.step, c.ok) for c in report.checkpoints] == [(1, True), (2, False)]
     assert "does not match its hash" in report.damaged[0].problems[0]
@@ -65,7 +65,7 @@ def test_flipped_byte_found_by_deep_verify_and_skipped_by_restore(two_checkpoint
     assert "hash" in info.skipped[0].reason
     assert torch.equal(live["w"], first["w"]) and live["step"] == 1
 
-    with pytest.raises(stepvault.IntegrityError):  # (the bad object is now quarantined)
+    with pytest.raises(stepvault.errors.IntegrityError):  # (the bad object is now quarantined)
         stepvault.restore(root, _live(), run="r", step=2)  # an explicit step never falls back
 
 
@@ -74,10 +74,10 @@ def test_truncated_and_missing_objects(two_checkpoints):
     path = _object_path(root, next(iter(only2)))
     with open(path, "r+b") as f:
         f.truncate(100)
-    report = stepvault.verify(root)
+    report = stepvault.ops.verify(root)
     assert "truncated" in report.damaged[0].problems[0]
     os.unlink(path)
-    report = stepvault.verify(root)
+    report = stepvault.ops.verify(root)
     assert report.damaged[0].step == 2 and "missing" in report.damaged[0].problems[0]
     assert stepvault.restore(root, _live(), run="r").step == 1
 
@@ -88,7 +88,7 @@ def test_damaged_manifest_is_skipped(two_checkpoints):
     data = bytearray(Path(path).read_bytes())
     data[-10] ^= 0x20
     Path(path).write_bytes(bytes(data))
-    report = stepvault.verify(root)
+    report = stepvault.ops.verify(root)
     assert "checksum" in report.damaged[0].problems[0]
     info = stepvault.restore(root, _live(), run="r")
     assert info.step == 1 and "checksum" in info.skipped[0].reason
@@ -100,7 +100,7 @@ def test_unknown_codec_is_an_error_not_garbage(two_checkpoints):
     data = Path(path).read_bytes()
     assert b'"codec":"raw"' in data
     Path(path).write_bytes(data.replace(b'"codec":"raw"', b'"codec":"lz9"', 1))
-    report = stepvault.verify(root, deep=True)
+    report = stepvault.ops.verify(root, deep=True)
     assert "unknown codec 'lz9'" in report.damaged[0].problems[0]
     assert stepvault.restore(root, _live(), run="r").step == 1
 
@@ -112,7 +112,7 @@ def test_newer_manifest_version_is_refused(two_checkpoints):
     env = json.loads(head)
     env["version"] = 99
     Path(path).write_bytes(json.dumps(env).encode() + b"\n" + body)
-    with pytest.raises(stepvault.StoreVersionError, match="upgrade"):
+    with pytest.raises(stepvault.errors.StoreVersionError, match="upgrade"):
         stepvault.restore(root, _live(), run="r", step=2)
     info = stepvault.restore(root, _live(), run="r")
     assert info.step == 1 and "newer" in info.skipped[0].reason
@@ -123,7 +123,7 @@ def test_every_checkpoint_damaged(two_checkpoints):
     for digest in _objects(root, "r", 1) | _objects(root, "r", 2):
         os.unlink(_object_path(root, digest))
     live = _live()
-    with pytest.raises(stepvault.NoValidCheckpointError) as exc:
+    with pytest.raises(stepvault.errors.NoValidCheckpointError) as exc:
         stepvault.restore(root, live, run="r")
     assert [s.step for s in exc.value.skipped] == [2, 1]
     assert live["step"] == 0 and float(live["w"].abs().sum()) == 0.0
@@ -159,4 +159,4 @@ def test_damaged_object_is_quarantined_and_rewritten_by_the_next_save(two_checkp
     state = {"w": torch.randn(400_000) + 1, "b": torch.randn(10), "step": 2}
     saved = stepvault.save(root, state, run="r", step=2, overwrite=True)
     assert saved.new_bytes > 0
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok

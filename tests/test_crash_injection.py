@@ -60,7 +60,7 @@ def _committed(root: Path) -> list[int]:
 def _verify_all(root: Path) -> None:
     for store in (root, _cold(root)):
         if (store / "stepvault.json").exists() and stepvault.open(store).runs():
-            report = stepvault.verify(store, deep=True)
+            report = stepvault.ops.verify(store, deep=True)
             assert report.ok, report.to_json()
 
 

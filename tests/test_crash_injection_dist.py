@@ -81,9 +81,9 @@ def test_multi_rank_job_killed_at_random_instants(tmp_path, reference, seed):
     time.sleep(0.5)  # odd seeds: the launcher's SIGTERM to rank 0 has landed
     committed = stepvault.open(root).steps("job") if (root / "stepvault.json").exists() else []
     if committed:
-        report = stepvault.verify(root, deep=True)
+        report = stepvault.ops.verify(root, deep=True)
         assert report.ok, report.to_json()
     out = _run(root)
     assert (f"RESUMED {committed[-1]}" if committed else "FRESH") in out
     assert _final(out) == reference
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok

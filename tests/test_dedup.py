@@ -28,7 +28,7 @@ def test_unchanged_save_writes_nothing_new(tmp_path):
     assert first.new_bytes > 0.95 * first.logical_bytes
     assert second.new_bytes == 0 and second.new_objects == 0
     assert second.stored_bytes == first.stored_bytes
-    usage = stepvault.usage(tmp_path)
+    usage = stepvault.ops.usage(tmp_path)
     assert usage.logical_bytes == 2 * first.logical_bytes
     assert usage.raw_bytes <= first.logical_bytes + 4096
     assert usage.unreferenced_objects == 0

@@ -63,7 +63,7 @@ def test_saved_on_4_is_one_committed_json_manifest(saved_on_4):
     assert entries["extra.step"] == {"type": "value", "value": 7}
     raw = (saved_on_4 / "runs" / "r" / "checkpoints" / "1.json").read_bytes()
     json.loads(raw.split(b"\n", 1)[1])  # plain JSON, no pickle
-    assert stepvault.verify(saved_on_4, deep=True).ok
+    assert stepvault.ops.verify(saved_on_4, deep=True).ok
 
 
 def test_load_on_2_ranks_reshards(saved_on_4, tmp_path):
@@ -107,7 +107,7 @@ def test_a_failing_rank_commits_nothing(tmp_path):
     assert stepvault.open(tmp_path / "store").steps("r") == [1]
     for rank in (0, 1):
         assert "rank 1 lost its disk" in (tmp_path / "out" / f"err{rank}.txt").read_text()
-    assert stepvault.verify(tmp_path / "store", deep=True).ok
+    assert stepvault.ops.verify(tmp_path / "store", deep=True).ok
 
 
 def test_dcp_never_unpickles_our_values(saved_on_4, monkeypatch):
@@ -185,7 +185,7 @@ def test_manager_with_ddp_on_every_rank(tmp_path):
     assert all(e["asynchronous"] and e["world_size"] == 2 for e in saves)  # DCP async_save
     assert all(e["kind"] == "full" for e in saves) and events.count("light_as_full") == 3
     assert all(e["stall_seconds"] < e["write_seconds"] for e in saves)
-    assert stepvault.verify(tmp_path / "store", deep=True).ok
+    assert stepvault.ops.verify(tmp_path / "store", deep=True).ok
     # and a single process can read the DDP checkpoint as a full state dict
     full = stepvault.open(tmp_path / "store").checkpoint("ddp").load()
     assert full["model"]["weight"].shape == (4, 8)
@@ -267,7 +267,7 @@ def test_a_killed_rank_commits_nothing(tmp_path):
             start_method="spawn",
         )
     assert stepvault.open(tmp_path / "store").steps("r") == [1]
-    assert stepvault.verify(tmp_path / "store", deep=True).ok
+    assert stepvault.ops.verify(tmp_path / "store", deep=True).ok
 
 
 def test_export_from_a_multi_rank_checkpoint(fsdp_on_2, tmp_path):
@@ -326,7 +326,7 @@ def test_async_manager_saves_fsdp2_state_while_training_continues(tmp_path):
     assert not torch.equal(
         _pt(tmp_path / "at2.pt")["model.0.weight"], _pt(tmp_path / "at6.pt")["model.0.weight"]
     )
-    assert stepvault.verify(tmp_path / "store", deep=True).ok
+    assert stepvault.ops.verify(tmp_path / "store", deep=True).ok
 
 
 def test_async_manager_failure_on_one_rank_surfaces_everywhere(tmp_path):
@@ -334,7 +334,7 @@ def test_async_manager_failure_on_one_rank_surfaces_everywhere(tmp_path):
     for rank in (0, 1):
         assert "rank 1 lost its disk" in (tmp_path / f"err{rank}.txt").read_text()
     assert stepvault.open(tmp_path / "store").steps("ff") == [1, 4]
-    assert stepvault.verify(tmp_path / "store", deep=True).ok
+    assert stepvault.ops.verify(tmp_path / "store", deep=True).ok
 
 
 def test_rank_local_manager_saves_from_rank_0_only(tmp_path):
@@ -353,7 +353,7 @@ def test_sharded_checkpoint_restores_from_a_cold_tier(tmp_path):
     saved, restored = _pt(tmp_path / "saved2.pt"), _pt(tmp_path / "restored2.pt")
     assert saved.keys() == restored.keys()
     assert all(torch.equal(saved[k], restored[k]) for k in saved)
-    assert stepvault.verify(tmp_path / "cold", deep=True).ok
+    assert stepvault.ops.verify(tmp_path / "cold", deep=True).ok
 
 
 def test_async_saver_survives_a_torch_that_closes_its_stager(tmp_path, monkeypatch):

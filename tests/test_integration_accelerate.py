@@ -175,7 +175,7 @@ def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
     out = run_example("accelerate_train.py", "--root", str(root), *args)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok
 
 
 def test_importing_stepvault_imports_no_trainer_framework():

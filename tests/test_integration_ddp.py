@@ -64,7 +64,7 @@ def test_lightning_ddp_preempted_killed_and_resumed_is_bitwise(tmp_path):
     assert f"RESUMED {steps[-2]}" in out
     assert final_digest(out) == reference
     vault = stepvault.open(root)
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok
     # Rank 0 wrote it; every rank's RNG state is in it (the ranks seed differently).
     callbacks = vault.checkpoint("lit", 40).load()["lightning"]["callbacks"]
     rng_ranks = next(iter(callbacks.values()))["rng_ranks"]
@@ -104,7 +104,7 @@ def test_hf_trainer_ddp_preempted_killed_and_resumed_is_bitwise(tmp_path):
     out = run_job(cmd)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok
     rng = stepvault.open(root).checkpoint("hf", 30).load()["rng"]
     assert len(rng["ranks"]) == 2  # what rng_state_0.pth and rng_state_1.pth would hold
     assert not torch.equal(rng["ranks"][0]["torch"], rng["ranks"][1]["torch"])
@@ -143,7 +143,7 @@ def test_accelerate_ddp_killed_and_resumed_is_bitwise(tmp_path):
     out = run_job(cmd)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok
     # Every rank saved (collective): replicated tensors once, each rank's RNG state apart.
     checkpoint = stepvault.open(root).checkpoint("acc", 40)
     assert checkpoint.is_sharded

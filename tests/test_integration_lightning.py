@@ -164,7 +164,7 @@ def test_resume_skips_a_damaged_checkpoint(tmp_path):
 
 
 def test_unencodable_hyperparameter_fails_with_its_key(tmp_path):
-    with pytest.raises(stepvault.UnsupportedTypeError, match=r"hyper_parameters.*'extra'"):
+    with pytest.raises(stepvault.errors.UnsupportedTypeError, match=r"hyper_parameters.*'extra'"):
         _fit(tmp_path, model=Tiny(extra=pathlib.Path("/data")))
     assert stepvault.open(tmp_path).steps("r") == []  # nothing half-saved
 
@@ -235,7 +235,7 @@ def test_example_preempted_then_killed_resumes_to_the_same_weights(tmp_path):
     out = run_example("lightning_train.py", "--root", str(root), *args)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok
 
 
 def test_standalone_pytorch_lightning_package(tmp_path):

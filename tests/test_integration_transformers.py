@@ -225,4 +225,4 @@ def test_example_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
     out = run_example("hf_trainer.py", "--root", str(root), *args)
     assert f"RESUMED {steps[-1]}" in out
     assert final_digest(out) == reference
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok

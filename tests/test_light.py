@@ -221,7 +221,7 @@ def test_damaged_or_missing_base_is_reported_and_skipped(tmp_path):
     reasons = {s.step: s.reason for s in info.skipped}
     assert "base r@2 of light checkpoint r@4 is damaged" in reasons[4]
     assert set(reasons) == {4, 3, 2}  # both light ones are newer than their (damaged) base
-    with pytest.raises(stepvault.IntegrityError, match="base r@2"):
+    with pytest.raises(stepvault.errors.IntegrityError, match="base r@2"):
         stepvault.restore(tmp_path, _state(m2, o2, 0), run="r", step=4)
 
 

@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 import stepvault
-from stepvault import CheckpointManager, KeepBest, KeepLast, Lineage, Registry
+from stepvault import CheckpointManager, KeepBest, KeepLast
 from stepvault.cli.main import app
-from stepvault.registry import lineage_report
+from stepvault.registry import Lineage, Registry, lineage_report
 from stepvault.store import Store
 
 
@@ -45,7 +45,7 @@ def test_lineage_of_a_fine_tune_reaches_back_to_its_base(tmp_path):
     (repo / "train.py").write_text("print('changed')\n")  # uncommitted change: dirty
     ft = Lineage.capture(
         {"lr": 1e-5},
-        data=stepvault.fingerprint_files([data_dir]),
+        data=stepvault.registry.fingerprint_files([data_dir]),
         parent="base@100",
         code_dir=repo,
     )
@@ -110,9 +110,9 @@ def test_each_session_links_its_own_lineage(tmp_path):
 
 
 def test_parent_must_exist(tmp_path):
-    with pytest.raises(stepvault.CheckpointNotFoundError):
+    with pytest.raises(stepvault.errors.CheckpointNotFoundError):
         stepvault.save(tmp_path / "s", _state(1), run="r", step=1, lineage=Lineage(parent="nope@5"))
-    with pytest.raises(stepvault.StepvaultError, match="exact checkpoint"):
+    with pytest.raises(stepvault.errors.StepvaultError, match="exact checkpoint"):
         stepvault.save(tmp_path / "s", _state(1), run="r", step=1, lineage=Lineage(parent="nope"))
 
 
@@ -124,7 +124,7 @@ def test_annotations_drive_best_k_and_restore_best(tmp_path):
         mgr.save(2, _state(2), metrics={"val_loss": 4.0})
         assert mgr.best_step == 1
         # An evaluation job scores step 2 better than anything measured at save time.
-        stepvault.annotate(root, "r", 2, {"val_loss": 0.5}, note="full eval")
+        stepvault.ops.annotate(root, "r", 2, {"val_loss": 0.5}, note="full eval")
         assert mgr.best_step == 2
         mgr.save(3, _state(3), metrics={"val_loss": 1.0})
         assert Store.open(root).list_steps("r") == [2, 3]  # step 1 went, the annotated best stayed
@@ -146,7 +146,7 @@ def test_annotations_drive_best_k_and_restore_best(tmp_path):
 def test_annotations_do_not_carry_over_to_a_replaced_checkpoint(tmp_path):
     root = tmp_path / "s"
     stepvault.save(root, _state(1), run="r", step=1, metrics={"val_loss": 3.0})
-    stepvault.annotate(root, "r", 1, {"val_loss": 0.1})
+    stepvault.ops.annotate(root, "r", 1, {"val_loss": 0.1})
     stepvault.save(root, _state(2), run="r", step=1, metrics={"val_loss": 3.0}, overwrite=True)
     from stepvault.manager.checkpoint_manager import checkpoint_records
 
@@ -161,10 +161,10 @@ def test_bad_annotations_are_refused(tmp_path):
         res = cli(root, "annotate", "r@1", *bad)
         assert res.exit_code == 2
         assert "NAME=VALUE" in res.output or "not a number" in res.output
-    with pytest.raises(stepvault.StepvaultError, match="finite"):
-        stepvault.annotate(root, "r", 1, {"loss": float("nan")})
-    with pytest.raises(stepvault.CheckpointNotFoundError):
-        stepvault.annotate(root, "r", 7, {"loss": 1.0})
+    with pytest.raises(stepvault.errors.StepvaultError, match="finite"):
+        stepvault.ops.annotate(root, "r", 1, {"loss": float("nan")})
+    with pytest.raises(stepvault.errors.CheckpointNotFoundError):
+        stepvault.ops.annotate(root, "r", 7, {"loss": 1.0})
     assert not (root / "runs/r/annotations").exists()
 
 
@@ -172,7 +172,7 @@ def test_listings_show_annotated_metrics(tmp_path):
     root = tmp_path / "s"
     stepvault.save(root, _state(1), run="r", step=1, metrics={"loss": 2.0})
     assert stepvault.open(root).checkpoints("r")[0].metrics == {"loss": 2.0}
-    stepvault.annotate(root, "r", 1, {"val_loss": 1.25})
+    stepvault.ops.annotate(root, "r", 1, {"val_loss": 1.25})
     (summary,) = stepvault.open(root).checkpoints("r")
     assert summary.metrics == {"loss": 2.0, "val_loss": 1.25}
     res = cli(root, "ls", "r")
@@ -183,6 +183,6 @@ def test_plain_save_takes_lineage_false_like_the_manager_and_names_a_wrong_type(
     stepvault.save(tmp_path, _state(1), run="r", step=1, lineage=False)
     m = stepvault.open(tmp_path).checkpoint("r", 1).manifest
     assert m.lineage is None
-    with pytest.raises(TypeError, match=r"lineage must be a stepvault\.Lineage"):
+    with pytest.raises(TypeError, match=r"lineage must be a stepvault\.registry\.Lineage"):
         stepvault.save(tmp_path, _state(2), run="r", step=2, lineage={"lr": 1e-3})
     assert Store.open(tmp_path).list_steps("r") == [1]  # nothing written by the refused save

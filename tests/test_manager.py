@@ -49,9 +49,9 @@ def test_policy_driven_saves_and_retention(tmp_path, async_save):
         mgr.wait()
         assert [c.step for c in mgr.checkpoints()] == [9, 12]
         assert mgr.latest_step == 12
-    usage = stepvault.usage(tmp_path)
+    usage = stepvault.ops.usage(tmp_path)
     assert usage.unreferenced_objects == 0  # GC swept the objects of deleted checkpoints
-    assert stepvault.verify(tmp_path, deep=True).ok
+    assert stepvault.ops.verify(tmp_path, deep=True).ok
     lines = (tmp_path / "events" / "r.jsonl").read_text().splitlines()
     events = [json.loads(line)["event"] for line in lines]
     assert events.count("save") == 4 and events.count("delete") == 2
@@ -161,7 +161,7 @@ def test_restore_latest_best_exact_and_fallback(tmp_path):
         assert mgr.restore(live).step == 4 and float(live["model"].bias.detach()[0]) == 4
         assert mgr.restore(live, "best").step == 2 and live["step"] == 2
         assert mgr.restore(live, 4).step == 4
-        with pytest.raises(stepvault.CheckpointNotFoundError):
+        with pytest.raises(stepvault.errors.CheckpointNotFoundError):
             mgr.restore(live, 3)
         # damage the best: "best" falls back to the next best
         m = stepvault.open(tmp_path).manifest("r", 2)
@@ -267,7 +267,7 @@ def test_gc_races_with_saves_of_another_run(tmp_path):
     for t in threads:
         t.join()
     assert not errors
-    report = stepvault.verify(tmp_path, deep=True)
+    report = stepvault.ops.verify(tmp_path, deep=True)
     assert report.ok, report.to_json()
     assert stepvault.open(tmp_path).steps("a") == [14]
     assert len(stepvault.open(tmp_path).steps("b")) == 14

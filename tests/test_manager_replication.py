@@ -46,7 +46,7 @@ def test_manager_resumes_bitwise_from_own_and_buddy_memory(tmp_path, world):
             rank = local + (0 if source == "n0" else per_node)
             replica = Store.open(peers / "peers" / source / f"rank{local}")
             assert 5 in replica.list_steps(f"r+rank{rank}")
-            assert stepvault.verify(replica.backend.url, deep=True).ok
+            assert stepvault.ops.verify(replica.backend.url, deep=True).ok
     _assert_listed_and_kept(mem, hot, world)
 
     shutil.rmtree(mem / "n1")  # node n1 was replaced: its memory is gone

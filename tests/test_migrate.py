@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 import stepvault
 from stepvault.cli.main import app
-from stepvault.ops.importing import UntrustedInputError
+from stepvault.errors import UntrustedInputError
 from stepvault.ops.migrate import (
     detect_format,
     hf_rng_to_stepvault,
@@ -86,7 +86,7 @@ def test_state_dict_file_round_trips_bitwise(tmp_path):
     ckpt = stepvault.open(root).checkpoint("old@12")
     assert_same(sd, ckpt.load()["model"])
     assert torch.equal(ckpt.tensor("model/emb.weight"), sd["emb.weight"])  # lazy read
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok
 
 
 def test_dict_of_state_dicts_restores_into_live_objects(tmp_path):
@@ -383,7 +383,7 @@ def test_hf_output_dir_imports_every_checkpoint_in_step_order(hf_checkpoint, tmp
     root = tmp_path / "store"
     res = cli("--root", root, "import", output_dir, "--run", "hf", "--step", "9")
     assert res.exit_code == 2 and "step= applies to one" in " ".join(res.output.split())
-    with pytest.raises(stepvault.StepvaultError, match="import_checkpoints"):
+    with pytest.raises(stepvault.errors.StepvaultError, match="import_checkpoints"):
         import_checkpoint(root, output_dir, run="hf")  # the single-checkpoint API says so
     res = cli("--root", root, "import", output_dir, "--run", "hf", "--json")
     assert res.exit_code == 0, res.output
@@ -428,7 +428,7 @@ def test_hf_sharded_safetensors_and_sharded_bin(tmp_path):
     assert all(torch.equal(tree["model"][k], expected[k]) for k in tree["model"])
     # As documented: strict=False restores a tied model whole (the tie supplies lm_head).
     fresh = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(stepvault.StateMismatchError, match=r"lm_head\.weight"):
+    with pytest.raises(stepvault.errors.StateMismatchError, match=r"lm_head\.weight"):
         stepvault.restore(root, {"model": fresh}, run="sharded")
     stepvault.restore(root, {"model": fresh}, run="sharded", strict=False)
     assert_same(expected, dict(fresh.state_dict()))
@@ -451,7 +451,7 @@ def test_hf_sharded_safetensors_and_sharded_bin(tmp_path):
     # A shard named in the index but missing is a clear error, and nothing is written.
     os.remove(bin_dir / "pytorch_model-00002-of-00002.bin")
     with pytest.raises(
-        stepvault.StepvaultError, match=r"pytorch_model-00002-of-00002\.bin.*missing"
+        stepvault.errors.StepvaultError, match=r"pytorch_model-00002-of-00002\.bin.*missing"
     ):
         import_checkpoint(root, bin_dir, run="bin", step=10)
     assert stepvault.open(root).steps("bin") == [9]
@@ -528,10 +528,10 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         assert message in " ".join(res.output.split()), (path, res.output)
     assert not root.exists()
 
-    with pytest.raises(stepvault.InvalidNameError):
+    with pytest.raises(stepvault.errors.InvalidNameError):
         import_checkpoint(root, tmp_path / "full.pt", run="../escape", step=1)
     import_checkpoint(root, tmp_path / "full.pt", run="r", step=1)
-    with pytest.raises(stepvault.CheckpointExistsError):
+    with pytest.raises(stepvault.errors.CheckpointExistsError):
         import_checkpoint(root, tmp_path / "full.pt", run="r", step=1)
     import_checkpoint(root, tmp_path / "nostep.pt", run="r", step=1, overwrite=True)
     assert list(stepvault.open(root).checkpoint("r@1").load()["model"]["w"].shape) == [2]

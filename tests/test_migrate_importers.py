@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from stepvault import StepvaultError
+from stepvault.errors import StepvaultError
 from stepvault.ops.migrate import (
     FORMATS,
     IMPORTERS,

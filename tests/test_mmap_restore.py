@@ -163,7 +163,7 @@ def test_writing_a_mapped_tensor_never_changes_the_store(stored):
     for t in loaded.values():
         t.add_(7)  # copy-on-write: private pages, the files stay as they were
     assert {d: _file_bytes(root, d) for d in digests} == files
-    assert stepvault.verify(root, deep=True).ok
+    assert stepvault.ops.verify(root, deep=True).ok
     again = stepvault.open(root).checkpoint("r", 1).load(mmap=True)
     for k, v in state.items():
         assert torch.equal(again[k], v)
@@ -205,7 +205,7 @@ def test_restore_assign_gives_mapped_parameters_that_train(tmp_path):
     opt.step()
     assert not torch.equal(model.b.weight, before)  # the mapped parameter trained
     assert {d: _file_bytes(tmp_path, d) for d in files} == files
-    assert stepvault.verify(tmp_path, deep=True).ok
+    assert stepvault.ops.verify(tmp_path, deep=True).ok
 
 
 def test_restore_assign_keeps_tied_parameters_tied(tmp_path):

@@ -205,6 +205,8 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_stepvault_plan_is_the_function():
-    p = stepvault.plan(mtbf="24h", save_cost=60, step_time=2, total_steps=10_000, simulate_trials=0)
+    p = stepvault.planning.plan(
+        mtbf="24h", save_cost=60, step_time=2, total_steps=10_000, simulate_trials=0
+    )
     assert p.interval["young_seconds"] == pytest.approx((2 * 60 * 86400) ** 0.5)
-    assert "plan" in stepvault.__all__
+    assert "planning" in stepvault.__all__

@@ -1,4 +1,4 @@
-"""stepvault.plan: closed forms, the simulation against them, schedules from real save
+"""stepvault.planning.plan: closed forms, the simulation against them, schedules from real save
 policies, the storage forecast against a real store, measured inputs, bad input."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def hold_files(root) -> list[str]:
 
 READER = """
 import sys, stepvault
-with stepvault.hold(sys.argv[1], "r@1", ttl=600, owner="eval"):
+with stepvault.ops.hold(sys.argv[1], "r@1", ttl=600, owner="eval"):
     print("held", flush=True)
     sys.stdin.readline()  # the test says when the evaluation is over
 print("released", flush=True)
@@ -118,9 +118,9 @@ def test_expired_and_orphaned_holds_are_ignored_and_cleaned(tmp_path):
 def test_a_hold_on_a_deleted_checkpoint_fails_and_leaves_nothing(tmp_path):
     save(tmp_path, 1)
     with pytest.raises(CheckpointNotFoundError):
-        stepvault.hold(tmp_path, "r@7", ttl=60)
+        stepvault.ops.hold(tmp_path, "r@7", ttl=60)
     assert hold_files(tmp_path) == []
-    with stepvault.hold(tmp_path, "r@latest", ttl=60, owner="x") as held:
+    with stepvault.ops.hold(tmp_path, "r@latest", ttl=60, owner="x") as held:
         assert held.record.step == 1 and len(hold_files(tmp_path)) == 1
     assert hold_files(tmp_path) == []
 
@@ -154,7 +154,7 @@ def test_a_held_checkpoint_is_not_evicted_from_hot(tmp_path):
     for step in (1, 2):
         save(hot, step)
     tiers = Tiers(hot, [TierSpec("archive", str(tmp_path / "cold"))])
-    with stepvault.hold(hot, "r@1", ttl=60, owner="export"):
+    with stepvault.ops.hold(hot, "r@1", ttl=60, owner="export"):
         report = apply_tier_policy(tiers, "r", MoveAfter("archive", 0), grace_seconds=0)
         assert 1 not in report.evicted and 1 in hot.list_steps("r")
         assert 1 in tiers["archive"].list_steps("r")  # copied all the same

@@ -9,8 +9,10 @@ import torch
 from typer.testing import CliRunner
 
 import stepvault
-from stepvault import CheckpointManager, KeepLast, Registry, RegistryError
+from stepvault import CheckpointManager, KeepLast
 from stepvault.cli.main import app
+from stepvault.errors import RegistryError
+from stepvault.registry import Registry
 from stepvault.store import Store
 
 
@@ -65,7 +67,7 @@ def test_bad_names_and_unknown_targets_are_refused_clearly(root):
     reg = Registry(root)
     with pytest.raises(RegistryError, match="ambiguous"):
         reg.promote("m", "r@1", "v2")
-    with pytest.raises(stepvault.InvalidNameError):
+    with pytest.raises(stepvault.errors.InvalidNameError):
         reg.promote("../evil", "r@1", "stable")
     with pytest.raises(RegistryError, match="cannot register r@9"):
         reg.promote("m", "r@9", "stable")
@@ -93,7 +95,7 @@ def test_registered_checkpoints_survive_keep_policies_and_gc(tmp_path):
     assert "pinned" in {e.step: e.reasons for e in plan.entries}[1]
     result = stepvault.ops.collect_garbage(store, run="r", keep=KeepLast(1), grace_seconds=0)
     assert result.plan.delete == [] and result.sweep.deleted  # garbage did go
-    assert stepvault.verify(root, "r", 1, deep=True).ok  # its objects were not swept
+    assert stepvault.ops.verify(root, "r", 1, deep=True).ok  # its objects were not swept
     restored = {"model": _model(9), "step": None}
     stepvault.restore(root, restored, run="r", step=1)
     assert torch.equal(restored["model"].weight, _model(0).weight)

@@ -69,7 +69,7 @@ def test_restore_never_unpickles(tmp_path, monkeypatch):
         live = _rich_state()
         stepvault.restore(tmp_path, live, run="r")
         stepvault.open(tmp_path).checkpoint("r").load()
-        stepvault.verify(tmp_path, deep=True)
+        stepvault.ops.verify(tmp_path, deep=True)
         with stepvault.CheckpointManager(tmp_path, "r") as mgr:
             mgr.restore(_rich_state())
     finally:
@@ -107,7 +107,7 @@ def test_symlinked_object_is_never_followed(tmp_path):
     obj = store / "objects" / victim[:2] / victim
     obj.unlink()
     obj.symlink_to(secret)
-    report = stepvault.verify(store, deep=True)
+    report = stepvault.ops.verify(store, deep=True)
     assert [c.step for c in report.damaged] == [2]
     info = stepvault.restore(store, {"w": torch.zeros(300_000)}, run="r")
     assert info.step == 1 and "cannot be read safely" in info.skipped[0].reason
@@ -162,7 +162,7 @@ def test_absurd_shape_is_refused_before_allocation(tmp_path):
     env = json.loads(head)
     env.update(body_blake3=content_hash(new_body), body_size=len(new_body))
     path.write_bytes(json.dumps(env).encode() + b"\n" + new_body)
-    with pytest.raises(stepvault.ManifestError, match="needs"):
+    with pytest.raises(stepvault.errors.ManifestError, match="needs"):
         stepvault.restore(tmp_path, {"w": torch.zeros(10)}, run="r", step=1)
 
 
@@ -212,7 +212,7 @@ def _campaign(root: Path, seed: int, checkpoints: int = 6, faults: int = 3):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_corruption_campaign(tmp_path, seed):
     steps, damaged = _campaign(tmp_path, seed)
-    report = stepvault.verify(tmp_path, deep=True)
+    report = stepvault.ops.verify(tmp_path, deep=True)
     assert {c.step for c in report.damaged} == damaged  # every fault found, nothing else
     good = [s for s in steps if s not in damaged]
     live = {"shared": torch.zeros(200_000), "own": torch.zeros(100_000), "small": torch.zeros(10)}
@@ -221,7 +221,7 @@ def test_corruption_campaign(tmp_path, seed):
         assert info.step == good[-1]
         assert {s.step for s in info.skipped} == {s for s in damaged if s > good[-1]}
     else:
-        with pytest.raises(stepvault.NoValidCheckpointError):
+        with pytest.raises(stepvault.errors.NoValidCheckpointError):
             stepvault.restore(tmp_path, live, run="r")
 
 
@@ -241,7 +241,7 @@ def test_repair_quarantines_damaged_checkpoints(tmp_path):
     out = runner.invoke(app, ["--root", str(tmp_path), "repair"])
     assert out.exit_code == 0, out.output
     assert stepvault.open(tmp_path).steps("r") == [s for s in steps if s not in damaged]
-    assert stepvault.verify(tmp_path, deep=True).ok
+    assert stepvault.ops.verify(tmp_path, deep=True).ok
     for s in damaged:
         assert (tmp_path / "quarantine" / "manifests" / "r" / f"{s}.json").exists()
 
@@ -281,7 +281,7 @@ def test_disk_full_training_continues(small_fs, async_save):
         stats = mgr.stats()
     assert stats["failures"] == 2 and stats["saves"] == 2
     assert stepvault.open(small_fs).steps("r") == [1, 4]
-    assert stepvault.verify(small_fs, deep=True).ok
+    assert stepvault.ops.verify(small_fs, deep=True).ok
     events = [e["event"] for e in read_events(stepvault.open(small_fs).store, "r")]
     assert events.count("save_failed") == 2
 
@@ -300,9 +300,9 @@ def test_symlinked_directories_inside_the_store_are_never_followed(tmp_path):
     fan.symlink_to(hidden, target_is_directory=True)
     vault = stepvault.open(store)
     assert vault.steps("evil") == []  # nothing under the symlink is listed or read
-    with pytest.raises(stepvault.StepvaultError):
+    with pytest.raises(stepvault.errors.StepvaultError):
         stepvault.restore(store, {"w": torch.zeros(10)}, run="evil", step=1)
-    report = stepvault.verify(store, deep=True)
+    report = stepvault.ops.verify(store, deep=True)
     assert not report.ok  # the objects behind the symlinked fan-out dir count as missing
     with pytest.raises(OSError, match="symlink inside the store"):
         stepvault.save(store, {"w": torch.randn(10)}, run="evil", step=2)

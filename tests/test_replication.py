@@ -66,7 +66,7 @@ def test_wiped_node_resumes_bitwise_from_its_buddys_memory(tmp_path, world):
         peer = _peer(mem, other, node, rank % per_node)
         # committed objects-then-manifest, verified; step 1 left with the owner's copy
         assert peer.list_steps(rank_run("r", rank)) == [2, 3]
-        assert stepvault.verify(peer.backend.url, deep=True).ok
+        assert stepvault.ops.verify(peer.backend.url, deep=True).ok
     shutil.rmtree(mem / "n1")  # node n1 was replaced: its memory is gone
     _spawn(world, "resume", mem, out)
     for rank in range(world):
@@ -96,7 +96,7 @@ def test_a_damaged_own_copy_is_fetched_again_from_the_buddy(tmp_path):
     _spawn(2, "resume", mem, out)  # checks the state bitwise against step 3's
     infos = [json.loads((out / f"info{rank}.json").read_text()) for rank in (0, 1)]
     assert infos == [{"step": 3, "tier": "peer"}, {"step": 3, "tier": "mem"}]
-    assert stepvault.verify(own.backend.url, deep=True).ok  # repaired in place
+    assert stepvault.ops.verify(own.backend.url, deep=True).ok  # repaired in place
 
 
 def test_a_replica_over_the_memory_budget_is_skipped_and_says_so(tmp_path):
@@ -158,7 +158,7 @@ def test_killed_during_replication_leaves_no_partial_replica(tmp_path):
             root = mem / holder / "peers" / source / "rank0"
             if not root.exists():
                 continue
-            report = stepvault.verify(str(root), deep=True)
+            report = stepvault.ops.verify(str(root), deep=True)
             assert report.ok, report
         # What survived restores on a restart, from the buddy for the wiped node.
         shutil.rmtree(mem / "n1")

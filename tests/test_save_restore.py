@@ -111,7 +111,7 @@ def test_mismatch_is_reported_at_once_and_changes_nothing(tmp_path):
     other_opt = torch.optim.AdamW(other.parameters())
     before = {k: v.clone() for k, v in other.state_dict().items()}
     live = {"model": other, "optimizer": other_opt, "step": 0}
-    with pytest.raises(stepvault.StateMismatchError) as exc:
+    with pytest.raises(stepvault.errors.StateMismatchError) as exc:
         stepvault.restore(tmp_path, live, run="r")
     msg = str(exc.value)
     assert "model.0.weight: shape (32, 16) in checkpoint, (48, 16) live" in msg
@@ -127,19 +127,19 @@ def test_missing_and_unexpected_keys(tmp_path):
     model = make_model()
     stepvault.save(tmp_path, {"model": model}, run="r", step=1)
     live = {"model": make_model(), "extra": 1}
-    with pytest.raises(stepvault.StateMismatchError, match="extra: not in checkpoint"):
+    with pytest.raises(stepvault.errors.StateMismatchError, match="extra: not in checkpoint"):
         stepvault.restore(tmp_path, live, run="r")
     info = stepvault.restore(tmp_path, live, run="r", strict=False)
     assert info.step == 1 and live["extra"] == 1
     wrapper = torch.nn.Sequential(make_model())  # keys gain a "0." prefix
-    with pytest.raises(stepvault.StateMismatchError, match="missing keys"):
+    with pytest.raises(stepvault.errors.StateMismatchError, match="missing keys"):
         stepvault.restore(tmp_path, {"model": wrapper}, run="r")
 
 
 def test_wrong_kind_and_dtype(tmp_path):
     model = make_model()
     stepvault.save(tmp_path, {"model": model, "t": torch.zeros(3)}, run="r", step=1)
-    with pytest.raises(stepvault.StateMismatchError) as exc:
+    with pytest.raises(stepvault.errors.StateMismatchError) as exc:
         stepvault.restore(
             tmp_path,
             {"model": make_model().to(torch.float64), "t": torch.zeros(3, dtype=torch.int32)},
@@ -154,7 +154,7 @@ def test_unencodable_value_refused_before_writing(tmp_path):
     class Opaque:
         pass
 
-    with pytest.raises(stepvault.UnsupportedTypeError) as exc:
+    with pytest.raises(stepvault.errors.UnsupportedTypeError) as exc:
         stepvault.save(tmp_path, {"cfg": {"inner": [1, Opaque()]}}, run="r", step=1)
     assert "state['cfg']['inner'][1]" in str(exc.value)
     assert "Opaque" in str(exc.value) and "register_type" in str(exc.value)
@@ -164,7 +164,7 @@ def test_unencodable_value_refused_before_writing(tmp_path):
 def test_register_type_converter(tmp_path):
     from fractions import Fraction
 
-    stepvault.register_type(
+    stepvault.state.register_type(
         Fraction,
         "fractions.Fraction",
         lambda f: [f.numerator, f.denominator],
@@ -176,8 +176,8 @@ def test_register_type_converter(tmp_path):
         stepvault.restore(tmp_path, live, run="r")
         assert live["x"] == {"f": Fraction(3, 7)}
     finally:
-        stepvault.unregister_type(Fraction)
-    with pytest.raises(stepvault.UnsupportedTypeError, match="register_type"):
+        stepvault.state.unregister_type(Fraction)
+    with pytest.raises(stepvault.errors.UnsupportedTypeError, match="register_type"):
         stepvault.restore(tmp_path, {"x": None}, run="r")
 
 
@@ -248,7 +248,7 @@ def test_every_codec_setting_roundtrips(tmp_path, codec):
 
 def test_existing_step_is_not_overwritten_silently(tmp_path):
     stepvault.save(tmp_path, {"x": 1}, run="r", step=1)
-    with pytest.raises(stepvault.CheckpointExistsError, match="overwrite=True"):
+    with pytest.raises(stepvault.errors.CheckpointExistsError, match="overwrite=True"):
         stepvault.save(tmp_path, {"x": 2}, run="r", step=1)
     stepvault.save(tmp_path, {"x": 3}, run="r", step=1, overwrite=True)
     live = {"x": 0}
@@ -260,9 +260,9 @@ def test_restore_of_missing_run(tmp_path):
     assert stepvault.restore(tmp_path, {}, run="r", missing_ok=True) is None
     stepvault.save(tmp_path, {"x": 1}, run="other", step=1)
     assert stepvault.restore(tmp_path, {}, run="r", missing_ok=True) is None
-    with pytest.raises(stepvault.CheckpointNotFoundError, match="other"):
+    with pytest.raises(stepvault.errors.CheckpointNotFoundError, match="other"):
         stepvault.restore(tmp_path, {}, run="r")
-    with pytest.raises(stepvault.CheckpointNotFoundError):
+    with pytest.raises(stepvault.errors.CheckpointNotFoundError):
         stepvault.restore(tmp_path, {"x": 0}, run="other", step=7)
 
 
@@ -313,7 +313,7 @@ def test_latest_of_a_training_state_passes_over_weights_only_checkpoints(tmp_pat
     weights = {"model": torch.nn.Linear(4, 4)}  # modules alone: the weights checkpoint is fine
     assert stepvault.restore(tmp_path, weights, run="r").step == 2
     stepvault.save(tmp_path / "w", {"model": model}, run="r", step=5, kind="weights")
-    with pytest.raises(stepvault.NoValidCheckpointError, match="only weights-only"):
+    with pytest.raises(stepvault.errors.NoValidCheckpointError, match="only weights-only"):
         stepvault.restore(tmp_path / "w", fresh, run="r")
 
 

@@ -10,9 +10,11 @@ from blake3 import blake3
 from typer.testing import CliRunner
 
 import stepvault
-from stepvault import CheckpointManager, KeepLast, Registry, Signer, Verifier
+from stepvault import CheckpointManager, KeepLast
 from stepvault.cli.main import app
 from stepvault.format.hashing import content_hash
+from stepvault.registry import Registry
+from stepvault.signing import Signer, Verifier
 from stepvault.store import Store
 
 HMAC = "hmac:" + "ab" * 32
@@ -34,7 +36,7 @@ def _signed_store(tmp_path, signer):
     reg = Registry(root, signer=signer)
     reg.promote("m", "r@1", "stable")
     reg.promote("m", "r@2", "stable")
-    stepvault.annotate(root, "r", 2, {"val_loss": 1.5}, signer=signer)
+    stepvault.ops.annotate(root, "r", 2, {"val_loss": 1.5}, signer=signer)
     return root
 
 
@@ -65,7 +67,7 @@ def test_honest_store_verifies_and_every_tampering_is_found(tmp_path, kind):
     doc = json.loads(body)
     doc["metrics"] = {"val_loss": 0.01}  # a forged metric
     path.write_bytes(_recompute_envelope(json.dumps(doc, separators=(",", ":")).encode()))
-    assert stepvault.verify(root, "r", 1).ok
+    assert stepvault.ops.verify(root, "r", 1).ok
     # 2. A registry version re-pointed at another checkpoint.
     vpath = root / "refs/registry/m/versions/1.json"
     v = json.loads(vpath.read_text())
@@ -175,12 +177,12 @@ def test_cli_keygen_sign_and_verify(tmp_path):
 
 
 def test_bad_keys_give_clear_errors(tmp_path):
-    with pytest.raises(stepvault.StepvaultError, match="at least 16 bytes"):
+    with pytest.raises(stepvault.errors.StepvaultError, match="at least 16 bytes"):
         Signer.hmac(b"short")
-    with pytest.raises(stepvault.StepvaultError, match="cannot load a private key"):
+    with pytest.raises(stepvault.errors.StepvaultError, match="cannot load a private key"):
         Signer.from_key_file(tmp_path / "missing.key")
     (tmp_path / "junk.pub").write_text("not a key")
-    with pytest.raises(stepvault.StepvaultError, match="holds no Ed25519 key"):
+    with pytest.raises(stepvault.errors.StepvaultError, match="holds no Ed25519 key"):
         Verifier.from_spec(str(tmp_path / "junk.pub"))
 
 

@@ -178,7 +178,7 @@ def test_a_state_over_the_budget_is_saved_synchronously_with_a_warning(tmp_path,
         assert not first.asynchronous and not second.asynchronous
         assert mgr.stats()["staging_bytes"] == 0 and allocations == []
         assert any(e["event"] == "staging_over_budget" for e in mgr.events())
-    assert stepvault.verify(tmp_path).ok
+    assert stepvault.ops.verify(tmp_path).ok
 
 
 def _rss() -> int:

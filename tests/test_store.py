@@ -36,18 +36,18 @@ def test_newer_store_version_is_refused(tmp_path):
         lambda: stepvault.restore(tmp_path, {"t": torch.zeros(3)}, run="r"),
         lambda: stepvault.save(tmp_path, {"t": torch.ones(3)}, run="r", step=2),
     ):
-        with pytest.raises(stepvault.StoreVersionError, match="upgrade stepvault"):
+        with pytest.raises(stepvault.errors.StoreVersionError, match="upgrade stepvault"):
             call()
 
 
 def test_not_a_store(tmp_path):
-    with pytest.raises(stepvault.StoreNotFoundError, match="no stepvault store"):
+    with pytest.raises(stepvault.errors.StoreNotFoundError, match="no stepvault store"):
         stepvault.open(tmp_path)
 
 
 @pytest.mark.parametrize("run", ["../escape", "a/b", "..", "", "a\\b", "x" * 200, ".hidden"])
 def test_unsafe_run_names_are_refused(tmp_path, run):
-    with pytest.raises(stepvault.InvalidNameError, match="run name"):
+    with pytest.raises(stepvault.errors.InvalidNameError, match="run name"):
         stepvault.save(tmp_path / "s", {"t": torch.ones(1)}, run=run, step=1)
     assert not (tmp_path / "s").exists()
     assert not (tmp_path / "escape").exists()
@@ -55,7 +55,7 @@ def test_unsafe_run_names_are_refused(tmp_path, run):
 
 def test_bad_steps_are_refused(tmp_path):
     for step in (-1, 1.5, "3", True):
-        with pytest.raises(stepvault.InvalidNameError, match="step"):
+        with pytest.raises(stepvault.errors.InvalidNameError, match="step"):
             stepvault.save(tmp_path, {"t": torch.ones(1)}, run="r", step=step)
 
 
@@ -87,7 +87,7 @@ def test_failure_before_commit_leaves_no_checkpoint(tmp_path, monkeypatch):
     assert stepvault.restore(tmp_path, live, run="r").step == 1
     assert float(live["t"].sum()) == 100.0
     # the orphaned object is visible to du, and never to restore
-    assert stepvault.usage(tmp_path).unreferenced_objects == 1
+    assert stepvault.ops.usage(tmp_path).unreferenced_objects == 1
 
 
 def test_failure_while_writing_objects_leaves_nothing_staged_or_visible(tmp_path, monkeypatch):
@@ -114,7 +114,7 @@ def test_failure_while_writing_objects_leaves_nothing_staged_or_visible(tmp_path
     assert stepvault.open(tmp_path).steps("r") == [1]
     monkeypatch.undo()
     info = stepvault.save(tmp_path, state, run="r", step=2)  # and a retry just works
-    assert info.new_bytes > 0 and stepvault.verify(tmp_path, deep=True).ok
+    assert info.new_bytes > 0 and stepvault.ops.verify(tmp_path, deep=True).ok
 
 
 @pytest.fixture
@@ -127,14 +127,14 @@ def test_out_of_space_keeps_earlier_checkpoints(tiny_fs):
     small = {"t": torch.arange(1000, dtype=torch.float32)}
     stepvault.save(tiny_fs, small, run="r", step=1)
     big = {"t": torch.randn(1_000_000)}  # 4 MB: cannot fit
-    with pytest.raises(stepvault.OutOfSpaceError, match="earlier checkpoints are intact"):
+    with pytest.raises(stepvault.errors.OutOfSpaceError, match="earlier checkpoints are intact"):
         stepvault.save(tiny_fs, big, run="r", step=2)
     assert os.listdir(tiny_fs / "tmp") == []
     assert stepvault.open(tiny_fs).steps("r") == [1]
     live = {"t": torch.zeros(1000)}
     assert stepvault.restore(tiny_fs, live, run="r").step == 1
     assert torch.equal(live["t"], small["t"])
-    assert stepvault.verify(tiny_fs, deep=True).ok
+    assert stepvault.ops.verify(tiny_fs, deep=True).ok
 
 
 def test_cli_ls_show_du(tmp_path):

@@ -87,7 +87,7 @@ def test_thin_after_steps_plans_then_thins_and_restores_weights_bitwise(tmp_path
     assert thin.stats["thinned"]["dropped"] == ["optimizer", "rng", "step"]
     assert all(name.startswith("model/") for name in thin.tensors)
     assert store.read_manifest("r", 200) != before
-    assert stepvault.verify(tmp_path).ok
+    assert stepvault.ops.verify(tmp_path).ok
 
     m, opt = trained(512, seed=5)
     info = stepvault.restore(tmp_path, {"model": m}, run="r", step=200)
@@ -142,14 +142,14 @@ def test_pinned_registry_reader_held_and_signed_checkpoints_stay_whole(tmp_path)
     store = Store.open(tmp_path)
     store.pin("r", 1)
     store.hold("r", 2, "model-a")  # a registry hold
-    signer = stepvault.Signer.from_spec("hmac:" + "ab" * 32)
+    signer = stepvault.signing.Signer.from_spec("hmac:" + "ab" * 32)
     m, opt = trained(16)
     signed = Store.open(tmp_path)
     signed.signer = signer
     stepvault.save(signed, {"model": m, "optimizer": opt}, run="r", step=5)
     stepvault.save(tmp_path, {"model": m, "optimizer": opt}, run="r", step=6)
     keep = KeepLast(10) | ThinAfter(steps=1)
-    with stepvault.hold(tmp_path, "r@3", ttl=60, owner="eval"):
+    with stepvault.ops.hold(tmp_path, "r@3", ttl=60, owner="eval"):
         result = apply_retention(store, "r", keep, checkpoint_records(store, "r"))
     assert result.thinned == [4]
     why = {t.step: t.reason for t in result.plan.thin if not t.thin}
@@ -164,7 +164,7 @@ def test_pinned_registry_reader_held_and_signed_checkpoints_stay_whole(tmp_path)
 def test_thinning_keeps_annotated_metrics_and_later_attachments(tmp_path):
     save_run(tmp_path, [1, 2], width=16)
     store = Store.open(tmp_path)
-    stepvault.annotate(tmp_path, "r", 1, {"val_loss": 0.25})
+    stepvault.ops.annotate(tmp_path, "r", 1, {"val_loss": 0.25})
     attach_after(store, "r", 1, {"config.json": b'{"hidden": 16}'})
     keep = KeepLast(2) | ThinAfter(steps=1)
     assert apply_retention(store, "r", keep, checkpoint_records(store, "r")).thinned == [1]
@@ -248,7 +248,7 @@ def test_a_kill_during_thinning_leaves_old_or_new_manifests(tmp_path):
     found = kinds(store)
     assert sorted(found) == steps and set(found.values()) <= {"full", "weights"}
     assert found[12] == "full"
-    assert stepvault.verify(tmp_path, deep=True).ok  # every manifest complete
+    assert stepvault.ops.verify(tmp_path, deep=True).ok  # every manifest complete
     for step in (1, 6, 11):
         m, _ = trained(32, seed=9)
         stepvault.restore(tmp_path, {"model": m}, run="r", step=step, strict=False)

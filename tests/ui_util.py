@@ -42,7 +42,7 @@ def make_trained_store(root: Path, *, steps: int = STEPS, every: int = EVERY) ->
     mgr.close()
     store = Store.open(root)
     steps_left = store.list_steps(RUN)
-    stepvault.annotate(root, RUN, steps_left[-2], {"val_accuracy": 0.71}, note="eval job")
+    stepvault.ops.annotate(root, RUN, steps_left[-2], {"val_accuracy": 0.71}, note="eval job")
     reg = Registry(root)
     reg.promote("mlp", f"{RUN}@{steps_left[-4]}", alias="candidate")
     reg.promote("mlp", "v1", alias="stable", note="passed eval")

@@ -7,21 +7,34 @@ Every error names the problem and, where there is one, the way out. All derive f
 from __future__ import annotations
 
 __all__ = [
+    "AttachmentError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptObjectError",
+    "ExportError",
     "IntegrityError",
     "InvalidNameError",
+    "LeaseHeldError",
+    "LightBaseError",
     "ManifestError",
+    "MissingBaseError",
     "MissingObjectError",
     "NoValidCheckpointError",
     "OutOfSpaceError",
+    "PlanError",
+    "PreconditionFailed",
+    "ReadOnlyError",
+    "RegistryError",
+    "SigningError",
     "StateMismatchError",
     "StepvaultError",
     "StoreNotFoundError",
     "StoreVersionError",
+    "TierError",
     "UnknownCodecError",
+    "UnsafeBindError",
     "UnsupportedTypeError",
+    "UntrustedInputError",
 ]
 
 
@@ -71,7 +84,8 @@ class UnknownCodecError(IntegrityError):
 
 
 class CheckpointNotFoundError(StepvaultError, LookupError):
-    """The requested run or step has no committed checkpoint."""
+    """The requested run or step has no committed checkpoint (or, for ``RUN@latest``,
+    no full one)."""
 
 
 class CheckpointExistsError(StepvaultError):
@@ -100,3 +114,66 @@ class StateMismatchError(StepvaultError, ValueError):
 
 class OutOfSpaceError(StepvaultError, OSError):
     """The backend ran out of space during a save; earlier checkpoints are intact."""
+
+
+# -- one per subsystem ------------------------------------------------------------------
+# Defined here so that ``stepvault.errors`` lists every exception; the subsystem that
+# raises one imports it from here (and re-exports it where its users look for it).
+
+
+class PreconditionFailed(StepvaultError, FileExistsError):
+    """A conditional write or delete found ``key`` changed since the version the caller
+    named (or present, for a create-if-absent): compare-and-set lost the race."""
+
+
+class LeaseHeldError(StepvaultError):
+    """Another live writer holds the run's lease."""
+
+
+class SigningError(StepvaultError):
+    """A key cannot be loaded or used."""
+
+
+class AttachmentError(StepvaultError):
+    """An attachment is refused (bad name, too large, missing file) or not found."""
+
+
+class MissingBaseError(CorruptObjectError):
+    """A delta object cannot be decoded here: its base is missing (or unreadable).
+
+    A CorruptObjectError so that a restore sets this copy of the delta aside (quarantine)
+    and reads the object from another tier, or falls back to another checkpoint.
+    """
+
+
+class TierError(StepvaultError):
+    """A tier is unknown, misconfigured or unreachable."""
+
+
+class LightBaseError(IntegrityError):
+    """The base of a light checkpoint is gone, damaged or was replaced since."""
+
+
+class RegistryError(StepvaultError):
+    """A registry operation that cannot be done (unknown model/alias, nothing to roll back)."""
+
+
+class ExportError(StepvaultError):
+    """An export cannot be made as asked (missing attachment, occupied folder...)."""
+
+
+class UntrustedInputError(StepvaultError):
+    """The input format needs unpickling and the caller did not pass ``trust=True``."""
+
+
+class PlanError(StepvaultError, ValueError):
+    """A plan's input is missing or out of range; the message names the option to fix."""
+
+
+class ReadOnlyError(StepvaultError, PermissionError):
+    """A write was attempted through the dashboard's read-only view of a store (a
+    PermissionError, like a store opened with read-only credentials)."""
+
+
+class UnsafeBindError(StepvaultError, ValueError):
+    """A non-loopback address was asked for without a token."""

@@ -172,7 +172,7 @@ class Lineage:
         """The JSON record stored for this lineage (the parent resolved to its manifest)."""
         parent = None
         if self.parent is not None:
-            from .vault import parse_ref
+            from .refs import parse_ref
 
             run, step = parse_ref(self.parent)
             if not isinstance(step, int):

@@ -1,4 +1,4 @@
-"""Reader holds as users and retention see them: ``stepvault.hold(root, "run@step")`` and
+"""Reader holds as users and retention see them: ``stepvault.ops.hold(root, "run@step")`` and
 the reason a held checkpoint survives a retention plan.
 
 The files and their rules are :mod:`stepvault.store.reader_holds`; this module resolves a
@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from ..policy import RetentionPlan
 from ..store import Store
 from ..store.reader_holds import DEFAULT_TTL, HoldRecord, ReaderHold, acquire_hold, try_hold
+from .refs import resolve_ref
 
 __all__ = ["hold", "holding", "keep_held"]
 
@@ -32,27 +33,19 @@ def hold(
     ttl: float = DEFAULT_TTL,
     owner: str | None = None,
 ) -> ReaderHold:
-    """Hold checkpoint ``ref`` (``"run@step"``, or ``"run@latest"``) for ``ttl`` seconds.
+    """Hold checkpoint ``ref`` (``"run@step"``, or ``"run@latest"``: the newest full one)
+    for ``ttl`` seconds.
 
     While held, keep policies, ``ThinAfter``, tier eviction and GC of any process leave it
     alone; use it as a context manager (released on exit) or call ``release()``::
 
-        with stepvault.hold("ckpts", "exp1@4000", ttl=2 * 3600, owner="eval"):
+        with stepvault.ops.hold("ckpts", "exp1@4000", ttl=2 * 3600, owner="eval"):
             evaluate(stepvault.open("ckpts", run="exp1", step=4000))
 
     The hold is tied to this process: once the process is gone, it no longer counts.
     """
-    from .vault import parse_ref  # vault's readers take holds: imported here, not at the top
-
     store = root if isinstance(root, Store) else Store.open(root)
-    run, step = parse_ref(ref)
-    if step in (None, "latest"):
-        steps = store.list_steps(run)
-        if not steps:
-            raise ValueError(f"run {run!r} has no committed checkpoint to hold")
-        step = steps[-1]
-    if not isinstance(step, int):
-        raise ValueError(f"hold needs RUN@STEP or RUN@latest, got {ref!r}")
+    run, step = resolve_ref(store, ref)
     return acquire_hold(store, run, step, ttl=ttl, owner=owner or _default_owner())
 
 

@@ -31,7 +31,7 @@ class RetentionResult:
     deleted: list[int] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
     sweep: SweepReport | None = None
-    #: kept (only) because a reader holds them (``stepvault.hold``)
+    #: kept (only) because a reader holds them (``stepvault.ops.hold``)
     reader_held: list[int] = field(default_factory=list)
     #: thinned to weights-only by a ``ThinAfter`` rule
     thinned: list[int] = field(default_factory=list)

@@ -2,36 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ..engine import CheckpointReader
-from ..errors import CheckpointNotFoundError, InvalidNameError
 from ..format import Manifest, decode_value, parse_manifest
 from ..format.record import CheckpointRecord
-from ..store import Store, validate_run_name
+from ..store import Store
 from .reader_holds import holding
 from .records import checkpoint_records
-
-_REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?")
-
-
-def parse_ref(text: str) -> tuple[str, int | str | None]:
-    """Parse ``RUN``, ``RUN@STEP`` or ``RUN@latest`` into ``(run, step)``; step None if absent."""
-    m = _REF.fullmatch(text) if isinstance(text, str) else None
-    if not m:
-        raise InvalidNameError(
-            f"bad checkpoint reference {text!r}; expected RUN, RUN@STEP or RUN@latest"
-        )
-    run = validate_run_name(m.group("run"))
-    step = m.group("step")
-    if step is None or step == "latest":
-        return run, step
-    return run, int(step)
-
-
-#: One line of a listing: the catalog's one row type (the name stays for the public API).
-CheckpointSummary = CheckpointRecord
+from .refs import latest_step, parse_ref
 
 
 class Checkpoint:
@@ -86,7 +65,7 @@ class Checkpoint:
         that cannot be mapped (fsspec) decode into fresh memory.
         """
         # Held while it reads: no keep policy, thinning or GC of another process takes
-        # the checkpoint away mid-read (stepvault.hold).
+        # the checkpoint away mid-read (stepvault.ops.hold).
         with holding(self.store, self.run, self.step, owner="Checkpoint.load"):
             if self.manifest.sharded:
                 return self._load_sharded()
@@ -137,14 +116,15 @@ class Vault:
         return parse_manifest(self.store.read_manifest(run, step), f"{run}@{step}")
 
     def checkpoint(self, run: str, step: int | str | None = "latest") -> Checkpoint:
-        """A :class:`Checkpoint`; ``run`` may be a ``RUN@STEP`` reference."""
+        """A :class:`Checkpoint`; ``run`` may be a ``RUN@STEP`` reference.
+
+        ``"latest"`` (or no step) is the newest *full* checkpoint of the run, the one a
+        plain ``restore`` resumes from; a light or weights-only one is read by its step.
+        """
         if "@" in run:
             run, step = parse_ref(run)
         if step in (None, "latest"):
-            steps = self.steps(run)
-            if not steps:
-                raise CheckpointNotFoundError(f"run {run!r} has no checkpoints in {self.url}")
-            step = steps[-1]
+            step = latest_step(self.store, run)
         return Checkpoint(self.store, self.manifest(run, int(step)))
 
     def checkpoints(self, run: str, steps: list[int] | None = None) -> list[CheckpointRecord]:

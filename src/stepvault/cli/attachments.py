@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..catalog.events import log_event
-from ..catalog.vault import parse_ref
+from ..catalog.refs import resolve_ref
 from ..errors import StepvaultError
 from ..format import parse_manifest
 from ..store import Store
@@ -44,18 +44,6 @@ def print_attachments(store: Store, run: str, step: int) -> None:
     console.print(f"attachments: {shown}", highlight=False)
 
 
-def _resolve(store: Store, ref: str) -> tuple[str, int]:
-    run, step = parse_ref(ref)
-    if step in (None, "latest"):
-        steps = store.list_steps(run)
-        if not steps:
-            raise StepvaultError(f"run {run!r} has no checkpoints")
-        step = steps[-1]
-    if not isinstance(step, int):
-        raise StepvaultError(f"{ref!r}: name a checkpoint as RUN@STEP")
-    return run, step
-
-
 @app.command("attach")
 def attach_cmd(
     ref: Annotated[str, typer.Argument(help="RUN@STEP to attach the files to.")],
@@ -72,7 +60,7 @@ def attach_cmd(
 
     try:
         store = Store.open(_root(root))
-        run, step = _resolve(store, ref)
+        run, step = resolve_ref(store, ref)
         sources: dict[str, str] = {}
         for item in files:
             name, sep, path = item.partition("=")
@@ -108,7 +96,7 @@ def diff_cmd(
 
     try:
         store = read_view(Store.open(_root(root)))
-        (ra, sa), (rb, sb) = _resolve(store, before), _resolve(store, after)
+        (ra, sa), (rb, sb) = resolve_ref(store, before), resolve_ref(store, after)
         files = diff_attachments(_attachments(store, ra, sa), _attachments(store, rb, sb))
         ma = parse_manifest(store.read_manifest(ra, sa), before)
         mb = parse_manifest(store.read_manifest(rb, sb), after)

@@ -9,19 +9,16 @@ import typer
 from rich.table import Table
 
 from ..catalog.events import log_event
-from ..catalog.vault import parse_ref
+from ..catalog.refs import parse_ref, resolve_ref
 from ..errors import StepvaultError
 from ..store import Store
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, _time, app, console
 
 
 def _ref(ref: str, store: Store, verb: str) -> tuple[str, int]:
+    if verb == "hold":
+        return resolve_ref(store, ref)
     run, step = parse_ref(ref)
-    if step in (None, "latest") and verb == "hold":
-        steps = store.list_steps(run)
-        if not steps:
-            raise ValueError(f"run {run!r} has no committed checkpoint to hold")
-        step = steps[-1]
     if not isinstance(step, int):
         raise ValueError(f"{verb} needs an exact checkpoint: RUN@STEP")
     return run, step

@@ -14,7 +14,7 @@ import typer
 from rich.table import Table
 
 from ..catalog.events import log_event, read_events
-from ..catalog.vault import parse_ref
+from ..catalog.refs import latest_step, parse_ref
 from ..core.opened import open_vault
 from ..errors import StepvaultError
 from ..store import Store
@@ -153,9 +153,8 @@ def verify_cmd(
     """Check checkpoints; exits 1 if anything is damaged or missing, 2 on usage errors."""
     try:
         run, step = parse_ref(ref) if ref else (None, None)
-        if step == "latest" and run is not None:
-            steps = open_vault(_root(root)).steps(run)
-            step = steps[-1] if steps else None
+        if step == "latest" and run is not None:  # RUN alone verifies the whole run
+            step = latest_step(Store.open(_root(root)), run)
         with progress_bars(as_json=as_json) as bars:  # deep: every byte is re-hashed
             task = bars.task("verify --deep" if deep else "verify")
             report = _ops().verify(_root(root), run, step, deep=deep, progress=task)

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from ..catalog.annotations import annotate
-from ..catalog.vault import parse_ref
+from ..catalog.refs import parse_ref
 from ..errors import StepvaultError
 from ..registry import Registry, lineage_report
 from ..store import Store

@@ -42,7 +42,7 @@ def tier_cmd(
     """Copy checkpoints from the hot store to cold tier TO (objects it lacks, verified, then
     the manifest); with --evict, then delete the hot copy (GC reclaims its objects)."""
     from ..catalog.events import log_event
-    from ..catalog.vault import parse_ref
+    from ..catalog.refs import latest_step, parse_ref
     from ..store import Store
     from ..store.lease import acquire_lease
     from ..tiers.config import Tiers
@@ -56,7 +56,7 @@ def tier_cmd(
         run, step = parse_ref(ref)
         steps = hot.list_steps(run)
         if step == "latest":
-            steps = steps[-1:]
+            steps = [latest_step(hot, run, steps)]
         elif isinstance(step, int):  # parse_ref gives an int, "latest" or None
             steps = [step]
         if older_than is not None:

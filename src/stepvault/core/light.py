@@ -35,7 +35,7 @@ from ..engine.light_delta import (
     encode_light_delta,
 )
 from ..engine.staging import HostArray, to_host
-from ..errors import IntegrityError, StateMismatchError, StepvaultError
+from ..errors import IntegrityError, LightBaseError, StateMismatchError, StepvaultError
 from ..format import Manifest, TensorEntry, decode_value, parse_manifest
 from ..format.hashing import content_hash
 from ..state import apply, validate
@@ -44,10 +44,6 @@ from ..store import Store
 from .opened import OpenedCheckpoint, open_checkpoint
 
 OptimizerMode = Literal["base", "delta", "exact"]
-
-
-class LightBaseError(IntegrityError):
-    """The base of a light checkpoint is gone, damaged or was replaced since."""
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ def save(
     all succeeded (``collective=None`` decides automatically; ``collective=False`` saves a
     replicated model from one rank and refuses sharded state).
 
-    ``lineage`` (a :class:`stepvault.Lineage`, e.g. ``Lineage.capture(config)``) is stored
+    ``lineage`` (a :class:`stepvault.registry.Lineage`, e.g. ``Lineage.capture(config)``) is stored
     with the run and linked from the manifest (``None`` or ``False``: none, as with the
     manager's ``lineage=False``); ``signer`` signs the manifest (default:
     ``$STEPVAULT_SIGNING_KEY`` when set). ``attachments`` maps file names to bytes or file
@@ -244,7 +244,7 @@ def save(
         lineage = None
     if lineage is not None and not isinstance(lineage, Lineage):
         raise TypeError(
-            f"lineage must be a stepvault.Lineage (e.g. Lineage.capture(config)), None or "
+            f"lineage must be a stepvault.registry.Lineage (e.g. Lineage.capture(config)), None or "
             f"False, not {type(lineage).__name__}"
         )
     if lineage is not None or signer is not None:

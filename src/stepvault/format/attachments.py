@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ManifestError, StepvaultError
+from ..errors import AttachmentError, ManifestError
 from .hashing import content_hash
 
 #: A name is one file name: no directories, no leading dot, no "..".
@@ -34,10 +34,6 @@ MAX_ATTACHMENT_BYTES = 64 << 20
 MAX_TOTAL_BYTES = 256 << 20
 RECORD_FORMAT = "stepvault-attachments"
 RECORD_VERSION = 1
-
-
-class AttachmentError(StepvaultError):
-    """An attachment is refused (bad name, too large, missing file) or not found."""
 
 
 def validate_attachment_name(name: Any) -> str:

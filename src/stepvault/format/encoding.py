@@ -115,7 +115,7 @@ def register_type(
 
     Example::
 
-        stepvault.register_type(Fraction, "fractions.Fraction",
+        stepvault.state.register_type(Fraction, "fractions.Fraction",
                                 encode=lambda f: [f.numerator, f.denominator],
                                 decode=lambda v: Fraction(*v))
     """
@@ -203,7 +203,7 @@ class Encoder:
                 raise UnsupportedTypeError(
                     f"{_path_text(path)}: numpy array of dtype {value.dtype} cannot be stored "
                     "safely (object/str/structured arrays need pickle); convert it or register "
-                    "a converter with stepvault.register_type"
+                    "a converter with stepvault.state.register_type"
                 )
             name = self._array_name(path)
             assert self._on_array is not None  # a supported dtype returned above if None
@@ -240,7 +240,7 @@ class Encoder:
         raise UnsupportedTypeError(
             f"{_path_text(path)}: cannot store a value of type {t.__module__}.{t.__qualname__} "
             "safely (stepvault never pickles). Convert it to plain values (dict/list/str/"
-            "numbers/tensors) or register a converter with stepvault.register_type(...)"
+            "numbers/tensors) or register a converter with stepvault.state.register_type(...)"
         )
 
     def _encode_dict(self, value: Mapping, path: tuple) -> Any:
@@ -420,7 +420,7 @@ def _decode(obj: Any, get_array):
             if conv is None:
                 raise UnsupportedTypeError(
                     f"checkpoint holds a value of registered type {name!r}, but this program "
-                    "registered no converter for it; call stepvault.register_type(cls, "
+                    "registered no converter for it; call stepvault.state.register_type(cls, "
                     f"{name!r}, encode, decode) before restoring"
                 )
             return conv.decode(_decode(inner, get_array))

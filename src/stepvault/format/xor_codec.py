@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptObjectError
+from ..errors import CorruptObjectError, MissingBaseError
 from .codecs import CODECS, Codec, FloatCodec, get_codec
 
 XOR_ID = "xor"
@@ -32,14 +32,6 @@ DEFAULT_CHAIN_LIMIT = 8
 MAX_CHAIN = 64
 _HASH = re.compile(r"^[0-9a-f]{64}\Z")
 _SETTING = re.compile(r"^xor(?::(?P<k>[0-9]{1,3}))?\Z")
-
-
-class MissingBaseError(CorruptObjectError):
-    """A delta object cannot be decoded here: its base is missing (or unreadable).
-
-    A CorruptObjectError so that a restore sets this copy of the delta aside (quarantine)
-    and reads the object from another tier, or falls back to another checkpoint.
-    """
 
 
 def chain_limit(setting: str) -> int | None:

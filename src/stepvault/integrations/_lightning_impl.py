@@ -168,7 +168,7 @@ class CheckpointMixin:
             fails the save with the key path; ``"str"`` stores its ``repr`` instead (with
             a warning). Hyperparameters are not needed to resume, only to rebuild a
             module from a checkpoint; anything else that cannot be encoded always fails
-            with its key path (register a converter with ``stepvault.register_type``).
+            with its key path (register a converter with ``stepvault.state.register_type``).
         save_rng: also store the Python, numpy and torch RNG states (Lightning saves
             none), so that dropout, shuffles and augmentations continue exactly.
         resumable_loaders: wrap the train loaders in

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from ..catalog import CheckpointRecord, checkpoint_records, choose_candidates
 from ..catalog.events import read_events
 from ..catalog.lineage import Lineage
+from ..catalog.refs import newest_full_step
 from ..catalog.vault import Vault
 from ..core.info import RestoreInfo, SaveInfo
 from ..core.light import LightOptions
@@ -99,10 +100,10 @@ class CheckpointManager:
         on_save_error: ``"raise"`` (default) a failed save on the training thread, or
             ``"warn"``: emit a RuntimeWarning, log the event and let training go on (e.g. a
             full disk: better to keep training and retry at the next save).
-        lineage: a :class:`~stepvault.Lineage` (``Lineage.capture(config, data=...,
+        lineage: a :class:`~stepvault.registry.Lineage` (``Lineage.capture(config, data=...,
             parent="base@1000")``) linked from every manifest; by default the git commit and
             environment are captured; ``False`` records nothing.
-        signer: a :class:`~stepvault.Signer` that signs every manifest (default:
+        signer: a :class:`~stepvault.signing.Signer` that signs every manifest (default:
             ``$STEPVAULT_SIGNING_KEY`` when set).
         tiers: cold tiers, name -> URL/path (``{"archive": "s3://bucket/ckpts"}``), recorded
             in the store so restores and the CLI find them (default: those recorded).
@@ -544,10 +545,10 @@ class CheckpointManager:
 
     @property
     def latest_step(self) -> int | None:
-        """Newest committed step (of any kind) in any tier, or None: a step only in the
-        mem tier or only in a cold tier counts (a restore would find it)."""
-        steps = self._session.view.list_steps(self.run)
-        return steps[-1] if steps else None
+        """The step a plain ``restore("latest")`` starts from: the newest full checkpoint in any
+        tier, or None (a step only in the mem tier or only in a cold tier counts).
+        ``"latest"`` means the same everywhere (:mod:`stepvault.catalog.refs`)."""
+        return newest_full_step(self._session.view, self.run)
 
     @property
     def best_step(self) -> int | None:

@@ -1,4 +1,6 @@
-"""Operations on a whole store: verify, signatures, usage, gc, repair, export, import."""
+"""Operations on a store: verify, signatures, usage, gc, repair, export, import; metrics
+attached after the fact (``annotate``), reader holds (``hold``) and checkpoint references
+(``parse_ref``, ``resolve_ref``: ``RUN@latest`` is the newest full checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ from .._lazy import lazy_getattr
 # Read-only operations (no torch) are imported at once; the rest on first use (PEP 562), so
 # that ``stepvault du`` and ``stepvault verify`` start without importing torch. (verify and
 # usage stay eager: their names are also submodule names, which a lazy lookup could return.)
+from ..catalog.annotations import annotate
+from ..catalog.reader_holds import hold
+from ..catalog.refs import parse_ref, resolve_ref
 from .signatures import SignatureReport, sign_existing, verify_signatures
 from .usage import RunUsage, StoreUsage, store_usage, usage
 from .verify import CheckpointReport, VerifyReport, verify, verify_store
@@ -20,7 +25,6 @@ _LAZY = {
     "quantize_int8": ".export",
     "GCResult": ".gc",
     "collect_garbage": ".gc",
-    "UntrustedInputError": ".migrate",
     "import_dcp": ".migrate",
     "ImportReport": ".migrate",
     "import_checkpoint": ".migrate",
@@ -41,7 +45,6 @@ if TYPE_CHECKING:
     from .gc import GCResult, collect_garbage
     from .migrate import (
         ImportReport,
-        UntrustedInputError,
         import_checkpoint,
         import_checkpoints,
         import_dcp,
@@ -60,17 +63,20 @@ __all__ = [
     "SignatureReport",
     "StoreUsage",
     "TensorDiff",
-    "UntrustedInputError",
     "VerifyReport",
+    "annotate",
     "collect_garbage",
     "dequantize_int8",
     "diff",
     "export_weights",
+    "hold",
     "import_checkpoint",
     "import_checkpoints",
     "import_dcp",
+    "parse_ref",
     "quantize_int8",
     "repair_store",
+    "resolve_ref",
     "sign_existing",
     "store_usage",
     "usage",

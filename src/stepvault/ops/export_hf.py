@@ -37,7 +37,7 @@ from ..catalog.events import log_event
 from ..catalog.lineage import read_lineage
 from ..catalog.reader_holds import holding
 from ..catalog.vault import Vault
-from ..errors import StepvaultError
+from ..errors import ExportError, StepvaultError
 from ..store import Store
 from .export import ExportReport, _export, export_weights, weight_tensors
 
@@ -46,10 +46,6 @@ MODEL_CARD = "README.md"
 EXPORT_RECORD = "stepvault-export.json"
 EXPORT_FORMAT = "stepvault-export"
 FORMATS = ("hf", "folder", "safetensors")
-
-
-class ExportError(StepvaultError):
-    """An export cannot be made as asked (missing attachment, occupied folder...)."""
 
 
 @dataclass

@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog.vault import parse_ref
-from ..errors import CheckpointNotFoundError
+from ..catalog.refs import resolve_ref
 from ..format import Manifest, parse_manifest
 from ..format.codecs import FloatCodec
 from ..store import Store
@@ -87,19 +86,6 @@ class DiffReport:
             "exact_bytes": self.exact_bytes,
             "light_bytes": self.light_bytes,
         }
-
-
-def resolve_ref(store: Store, ref: str) -> tuple[str, int]:
-    """``RUN@STEP`` / ``RUN@latest`` / ``RUN`` to a committed (run, step); clear errors."""
-    run, step = parse_ref(ref)
-    if isinstance(step, int):
-        return run, step
-    steps = store.list_steps(run)
-    if not steps:
-        raise CheckpointNotFoundError(
-            f"run {run!r} has no committed checkpoint in {store.backend.url} (see 'stepvault ls')"
-        )
-    return run, steps[-1]
 
 
 def _stats(a: Any, b: Any) -> tuple[float, float, float]:

@@ -3,7 +3,7 @@
 ::
 
     import stepvault
-    p = stepvault.plan("ckpts", "exp1", mtbf="24h", total_steps=100_000,
+    p = stepvault.planning.plan("ckpts", "exp1", mtbf="24h", total_steps=100_000,
                        keep="KeepLast(3) | KeepEvery(steps=1000)")
     p.interval["daly_steps"], p.optimum.ettr, p.storage.cost_run
 

@@ -1,4 +1,4 @@
-"""``stepvault.plan``: interval, goodput, RPO/RTO and storage bill for a run or a job.
+"""``stepvault.planning.plan``: interval, goodput, RPO/RTO and storage bill for a run or a job.
 
 Every input is either measured (from the run's events and listing, :mod:`.measure`),
 given, or assumed; the plan lists which, and every assumption in words.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..errors import StepvaultError
+from ..errors import PlanError
 
 __all__ = [
     "HOURS_PER_MONTH",
@@ -46,10 +46,6 @@ _SIZE_UNITS = {
     "tib": 2**40,
 }
 _NUMBER = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
-
-
-class PlanError(StepvaultError, ValueError):
-    """A plan's input is missing or out of range; the message names the option to fix."""
 
 
 def positive(option: str, value: float, *, zero_ok: bool = False) -> float:

@@ -1,5 +1,7 @@
-"""Model registry: versions and aliases over checkpoints, promote/rollback, lineage."""
+"""Model registry: versions and aliases over checkpoints, promote/rollback, lineage
+(``Lineage`` and ``fingerprint_files`` describe a run's config, code and data)."""
 
+from ..catalog.lineage import Lineage, fingerprint_files
 from .lineage import lineage_report
 from .models import (
     SUGGESTED_ALIASES,
@@ -14,9 +16,11 @@ from .models import (
 __all__ = [
     "SUGGESTED_ALIASES",
     "AliasMove",
+    "Lineage",
     "ModelVersion",
     "Registry",
     "RegistryError",
+    "fingerprint_files",
     "lineage_report",
     "validate_alias",
     "validate_model_name",

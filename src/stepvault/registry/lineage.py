@@ -6,7 +6,7 @@ from typing import Any
 
 from ..catalog.annotations import manifest_id
 from ..catalog.lineage import read_lineage
-from ..catalog.vault import parse_ref
+from ..catalog.refs import resolve_ref
 from ..errors import StepvaultError
 from ..format import parse_manifest
 from ..store import Store
@@ -57,12 +57,7 @@ def lineage_report(store: Store, spec: str) -> dict[str, Any]:
         ]
         run, step = version.run, version.step
     else:
-        run, step = parse_ref(spec)
-        if not isinstance(step, int):
-            steps = store.list_steps(run)
-            if not steps:
-                raise StepvaultError(f"{spec!r} is neither a registered model nor a checkpoint")
-            step = steps[-1]
+        run, step = resolve_ref(store, spec)
     root = node = _checkpoint(store, run, step)
     for _ in range(MAX_DEPTH):
         parent = (node.get("lineage") or {}).get("parent")

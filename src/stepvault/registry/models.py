@@ -41,7 +41,7 @@ from blake3 import blake3
 
 from ..catalog.annotations import manifest_id
 from ..catalog.events import log_event
-from ..errors import CheckpointNotFoundError, StepvaultError
+from ..errors import CheckpointNotFoundError, RegistryError, StepvaultError
 from ..store import Store, validate_run_name
 from ..store.signing import Signer, Verifier
 
@@ -49,10 +49,6 @@ from ..store.signing import Signer, Verifier
 SUGGESTED_ALIASES = ("candidate", "stable", "fallback")
 _NUMBERED = re.compile(r"^([1-9][0-9]{0,8})\.json$")
 _VERSION_REF = re.compile(r"^v([1-9][0-9]{0,8})$")
-
-
-class RegistryError(StepvaultError):
-    """A registry operation that cannot be done (unknown model/alias, nothing to roll back)."""
 
 
 def _user() -> str:
@@ -373,7 +369,7 @@ class Registry:
             if m:
                 version = self.version(model, int(m.group(1))).version
             else:
-                from ..catalog.vault import parse_ref
+                from ..catalog.refs import parse_ref
 
                 run, step = parse_ref(target)
                 if not isinstance(step, int):

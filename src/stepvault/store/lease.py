@@ -16,16 +16,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StepvaultError
+from ..errors import LeaseHeldError
 from .names import validate_run_name
 from .repository import Store
 
 #: Default seconds without a heartbeat after which a lease counts as abandoned.
 DEFAULT_STALE_AFTER = 300.0
-
-
-class LeaseHeldError(StepvaultError):
-    """Another live writer holds the run's lease."""
 
 
 def pid_alive(pid: int) -> bool:

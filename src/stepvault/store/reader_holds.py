@@ -7,7 +7,7 @@ until the hold is released or expires. The file says who holds it and until when
 
     {"run", "step", "token", "owner", "host", "pid", "created", "expires"}
 
-``pid`` is set for a hold tied to a live process (an evaluator's ``with stepvault.hold``):
+``pid`` is set for a hold tied to a live process (an evaluator's ``with stepvault.ops.hold``):
 once that process is gone from this host, its hold counts as expired at once, so a
 crashed reader never pins a checkpoint for the whole TTL. A hold taken from the command
 line (``stepvault hold``) has ``pid: null`` and lasts until it is released or expires.

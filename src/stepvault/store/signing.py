@@ -31,15 +31,11 @@ from typing import Any
 
 from blake3 import blake3
 
-from ..errors import StepvaultError
+from ..errors import SigningError
 
 SIGNING_KEY_ENV = "STEPVAULT_SIGNING_KEY"
 VERIFY_KEY_ENV = "STEPVAULT_VERIFY_KEY"
 _ALGS = ("ed25519", "hmac-sha256")
-
-
-class SigningError(StepvaultError):
-    """A key cannot be loaded or used."""
 
 
 def _crypto():

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import StepvaultError
+from ..errors import TierError
 from ..store import Backend, Store
 
 TIERS_KEY = "tiers.json"
@@ -25,10 +25,6 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}\Z")
 _SECRET_OPTIONS = {"key", "secret", "token", "aws_secret_access_key", "aws_session_token"}
 #: Settings a cold tier inherits from the hot store when it is created.
 _INHERITED = ("chunk_size", "small_tensor", "bundle_size")
-
-
-class TierError(StepvaultError):
-    """A tier is unknown, misconfigured or unreachable."""
 
 
 @dataclass

@@ -282,7 +282,6 @@ def create_app(
         exception_handlers={
             InvalidNameError: bad_request,
             ValueError: bad_request,
-            data.NotFound: not_found,
             CheckpointNotFoundError: not_found,
             RegistryError: not_found,
             StepvaultError: bad_request,

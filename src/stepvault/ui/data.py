@@ -41,10 +41,6 @@ _NOT_RANKED = ("lr", "learning_rate", "epoch", "step", "grad_norm")
 EVENTS_LIMIT = 1000
 
 
-class NotFound(StepvaultError):
-    """A run, checkpoint or model named in a URL does not exist."""
-
-
 @dataclass
 class StoreReader:
     """A store opened for the dashboard: read-only unless actions are allowed."""
@@ -83,7 +79,7 @@ def best_mode(metric: str) -> str:
 def _existing_run(view: Store, run: str) -> str:
     validate_run_name(run)
     if run not in view.list_runs():
-        raise NotFound(f"no run {run!r} in {view.backend.url}")
+        raise CheckpointNotFoundError(f"no run {run!r} in {view.backend.url}")
     return run
 
 
@@ -295,7 +291,7 @@ def checkpoint_detail(reader: StoreReader, run: str, step: int) -> dict[str, Any
     _existing_run(view, run)
     steps = view.list_steps(run)
     if step not in steps:
-        raise NotFound(f"no checkpoint {run}@{step} in {view.backend.url}")
+        raise CheckpointNotFoundError(f"no checkpoint {run}@{step} in {view.backend.url}")
     doc: dict[str, Any] = {
         "run": run,
         "step": step,

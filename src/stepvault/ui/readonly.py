@@ -11,11 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..errors import ReadOnlyError
 from ..store.backend import Backend
-
-
-class ReadOnlyError(PermissionError):
-    """A write was attempted through the dashboard's read-only view of a store."""
 
 
 class ReadOnlyBackend(Backend):

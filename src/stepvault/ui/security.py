@@ -17,6 +17,8 @@ from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode
 
+from ..errors import UnsafeBindError
+
 COOKIE = "stepvault_token"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SECURITY_HEADERS = [
@@ -29,10 +31,6 @@ SECURITY_HEADERS = [
     (b"referrer-policy", b"no-referrer"),
     (b"cache-control", b"no-store"),
 ]
-
-
-class UnsafeBindError(ValueError):
-    """A non-loopback address was asked for without a token."""
 
 
 def is_loopback(host: str) -> bool:

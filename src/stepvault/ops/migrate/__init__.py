@@ -41,7 +41,8 @@ names a stepvault training state usually has: ``model``, ``optimizer``, ``schedu
 
 from __future__ import annotations
 
-from .base import ImportedState, Importer, UntrustedInputError, kind_for
+from ...errors import UntrustedInputError
+from .base import ImportedState, Importer, kind_for
 from .commit import ImportReport, commit_imported, import_checkpoint, import_checkpoints
 from .dcp import DcpImporter, import_dcp
 from .hf import (

@@ -18,10 +18,6 @@ import torch
 from ...errors import StepvaultError
 
 
-class UntrustedInputError(StepvaultError):
-    """The input format needs unpickling and the caller did not pass ``trust=True``."""
-
-
 @dataclass
 class ImportedState:
     """A foreign checkpoint read into memory, ready to be committed as ``run@step``."""

@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 from ...core.info import SaveInfo
 from ...core.write import save
-from ...errors import StepvaultError
-from .base import ImportedState, Importer, UntrustedInputError, kind_for
+from ...errors import StepvaultError, UntrustedInputError
+from .base import ImportedState, Importer, kind_for
 
 
 class DcpImporter(Importer):

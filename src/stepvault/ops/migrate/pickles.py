@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import StepvaultError
-from .base import UntrustedInputError
+from ...errors import StepvaultError, UntrustedInputError
 
 _PLAIN_NUMPY_DTYPES = [
     *("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"),
