@@ -15,6 +15,7 @@ __all__ = [
     "IntegrityError",
     "InvalidNameError",
     "LeaseHeldError",
+    "LeaseLostError",
     "LightBaseError",
     "ManifestError",
     "MissingBaseError",
@@ -128,6 +129,20 @@ class PreconditionFailed(StepvaultError, FileExistsError):
 
 class LeaseHeldError(StepvaultError):
     """Another live writer holds the run's lease."""
+
+
+class LeaseLostError(LeaseHeldError):
+    """This writer's lease was taken over by another writer: nothing more is committed.
+
+    The lease went stale (no heartbeat for ``stale_after`` seconds: a stopped process or VM,
+    a long pause, a cut-off network) and another process took the run over. ``owner`` is
+    the new holder's ``(host, pid)`` when the lease names one.
+    """
+
+    def __init__(self, message: str, *, run: str, owner: tuple[str, int] | None) -> None:
+        super().__init__(message)
+        self.run = run
+        self.owner = owner
 
 
 class SigningError(StepvaultError):

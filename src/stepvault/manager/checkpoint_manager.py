@@ -17,6 +17,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
@@ -31,7 +32,7 @@ from ..core.write import open_store_for_writing
 from ..engine.background import BackgroundWriter
 from ..engine.gc import DEFAULT_GRACE_SECONDS
 from ..engine.staging_pool import StagingPool
-from ..errors import NoValidCheckpointError, StepvaultError
+from ..errors import LeaseLostError, NoValidCheckpointError, StepvaultError
 from ..policy import KeepPolicy, RetentionPlan, SaveContext, SaveDecision, SavePolicy
 from ..store import Store, validate_run_name, validate_step
 from ..store.lease import DEFAULT_STALE_AFTER
@@ -295,21 +296,33 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------- helpers
     def _heartbeat_loop(self, interval: float) -> None:
-        assert self._lease is not None  # the loop runs only for a lease holder
+        lease = self._lease
+        assert lease is not None  # the loop runs only for a lease holder
         while not self._stop.wait(interval):
             try:
-                self._lease.renew()
-            except BaseException as exc:  # surfaced on the training thread
+                lease.renew()
+            except LeaseLostError:
+                return  # lease.lost is set: the next commit and the next call refuse
+            except Exception as exc:  # the store out of reach: warned, tried again next beat
+                # Safe to go on: if the lease goes stale meanwhile and another writer takes
+                # the run over, the commit's fence (Lease.guard) refuses this writer's saves.
                 self._heartbeat_error = exc
-                return
 
     def _check(self) -> None:
-        """Raise a background failure (save, lease) on the training thread."""
+        """Raise a background failure (save, lost lease) on the training thread."""
         if self._closed:
             raise StepvaultError(f"CheckpointManager for run {self.run!r} is closed")
+        if self._lease is not None and self._lease.lost is not None:
+            raise self._lease.lost  # on every call: this writer must stop
         if self._heartbeat_error is not None:
             exc, self._heartbeat_error = self._heartbeat_error, None
-            raise exc
+            warnings.warn(
+                f"renewing the writer lease of run {self.run!r} failed ({exc}); retrying. If "
+                "it keeps failing the lease goes stale and another writer may take the run "
+                "over: this one's saves are then refused",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         bg = self._pipeline.bg
         if bg is not None:
             failed = bg.poll_error()

@@ -32,7 +32,8 @@ class LocalScope:
         self.rank_local = rank_local
 
     def acquire_lease(self, store: Store, run: str, stale_after: float) -> Lease | None:
-        return acquire_lease(store, run, stale_after=stale_after)
+        """The run's lease, installed as the fence of its commits in ``store``."""
+        return fenced(acquire_lease(store, run, stale_after=stale_after))
 
     def agree(self, decision: SaveDecision | None) -> SaveDecision | None:
         return decision
@@ -70,8 +71,8 @@ class CollectiveScope:
     def acquire_lease(self, store: Store, run: str, stale_after: float) -> Lease | None:
         lease, error = None, None
         if self.coordinator:
-            try:
-                lease = acquire_lease(store, run, stale_after=stale_after)
+            try:  # rank 0 commits (DCP's finish), so its store carries the fence
+                lease = fenced(acquire_lease(store, run, stale_after=stale_after))
             except StepvaultError as exc:
                 error = str(exc)
         box = [error]
@@ -103,6 +104,14 @@ class CollectiveScope:
 
 
 Scope = LocalScope | CollectiveScope
+
+
+def fenced(lease: Lease) -> Lease:
+    """Make every manifest commit or delete of the lease's run through its store check the
+    lease first (``Store.fences``; removed by ``lease.release()``): a writer that lost the
+    run to another one commits nothing more (store/lease.py)."""
+    lease.store.fences[lease.run] = lease
+    return lease
 
 
 def choose_scope(collective: bool | None) -> Scope:

@@ -8,9 +8,19 @@ something visible: :meth:`Backend.put_atomic`, which never exposes a partially w
 from __future__ import annotations
 
 import abc
+import contextlib
+import hashlib
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+
+from ..errors import PreconditionFailed
 
 Buffer = bytes | bytearray | memoryview
+
+
+def content_version(data: bytes) -> str:
+    """The version tag of ``data`` where a backend has no native one (S3 uses the ETag)."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 class Backend(abc.ABC):
@@ -70,6 +80,77 @@ class Backend(abc.ABC):
         before the key becomes visible (local disks: fsync of the file; the directory entry
         is flushed by :meth:`sync`).
         """
+
+    # -- fencing: compare-and-set and exclusion (the writer lease, store/lease.py) ----------
+    #: Whether :meth:`exclusive` keeps out every other process that writes this store
+    #: (local disks: ``flock``; ``memory://``: a process lock). Where it is False, only
+    #: :meth:`replace_if` / :meth:`delete_if` themselves are atomic (S3: conditional
+    #: requests), or nothing is (a check-then-act: other fsspec filesystems).
+    exclusive_is_atomic: bool = False
+
+    def exclusive(self, key: str, timeout: float = 30.0) -> AbstractContextManager[None]:
+        """Hold ``key``'s lock while the block runs (excludes other holders of the same
+        key's lock; no reader is affected). A no-op where the backend has no locks."""
+        return contextlib.nullcontext()
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        """``key``'s bytes and a version tag for :meth:`replace_if` / :meth:`delete_if`."""
+        data = self.read_bytes(key)
+        return data, content_version(data)
+
+    def replace_if(
+        self, key: str, parts: Sequence[Buffer], expected: str | None, *, durable: bool = True
+    ) -> str:
+        """Compare-and-set: write ``key`` only if its version is still ``expected`` (None:
+        only if absent); :class:`PreconditionFailed` otherwise. Returns the new version.
+
+        This default checks, then writes: atomic only inside :meth:`exclusive` on a backend
+        whose locks are (:attr:`exclusive_is_atomic`); object stores override it with a
+        conditional request.
+        """
+        data = b"".join(memoryview(p).cast("B") for p in parts)
+        if expected is None:
+            try:
+                self.put_atomic(key, [data], overwrite=False, durable=durable)
+            except FileExistsError:
+                raise PreconditionFailed(f"{self.url}/{key} already exists") from None
+            return content_version(data)
+        try:
+            _, current = self.read_versioned(key)
+        except FileNotFoundError:
+            raise PreconditionFailed(f"{self.url}/{key} is gone") from None
+        if current != expected:
+            raise PreconditionFailed(f"{self.url}/{key} changed")
+        self.put_atomic(key, [data], overwrite=True, durable=durable)
+        return content_version(data)
+
+    def delete_if(self, key: str, expected: str) -> None:
+        """Delete ``key`` only if its version is still ``expected`` (see :meth:`replace_if`)."""
+        try:
+            _, current = self.read_versioned(key)
+        except FileNotFoundError:
+            return
+        if current != expected:
+            raise PreconditionFailed(f"{self.url}/{key} changed")
+        self.delete(key)
+
+    def put_fenced(
+        self,
+        key: str,
+        parts: Sequence[Buffer],
+        fence: AbstractContextManager[object],
+        *,
+        overwrite: bool = True,
+        durable: bool = True,
+    ) -> None:
+        """:meth:`put_atomic` with ``fence`` held around the moment ``key`` becomes visible.
+
+        ``fence`` checks that the caller may still write (the writer lease's token) and
+        raises if not: then nothing becomes visible and no temporary file is left. Backends
+        with a rename write the bytes first and hold the fence only across the rename.
+        """
+        with fence:
+            self.put_atomic(key, parts, overwrite=overwrite, durable=durable)
 
     def put_staged(self, key: str, parts: Sequence[Buffer]) -> object:
         """Write ``key`` durably-to-be but invisibly; :meth:`publish` makes a batch visible.

@@ -21,14 +21,16 @@ and parallel multipart uploads for objects of ``2 * part_size`` bytes or more.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ..errors import StoreNotFoundError
-from .backend import Backend, Buffer
+from .backend import Backend, Buffer, PreconditionFailed
 from .names import check_key
 
 #: botocore settings for S3: bounded waits and retries with backoff on transient errors.
@@ -44,8 +46,9 @@ DEFAULT_S3_CONFIG: dict[str, Any] = {
 DEFAULT_PART_SIZE = 32 << 20
 
 # memory:// lives in this process; its create-if-absent is a check-then-write, so one lock
-# per process makes it atomic between threads.
-_MEMORY_LOCK = threading.Lock()
+# per process makes it atomic between threads. Reentrant: the lease holds it (exclusive())
+# around a create-if-absent that takes it again.
+_MEMORY_LOCK = threading.RLock()
 
 
 def _translated(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,6 +93,8 @@ class FsspecBackend(Backend):
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.protocol = protocol
         self.is_s3 = protocol in ("s3", "s3a")
+        # memory:// lives in this process: its lock excludes every writer there is.
+        self.exclusive_is_atomic = protocol == "memory"
 
     # -- helpers -----------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -186,6 +191,73 @@ class FsspecBackend(Backend):
                 pass
             raise FileExistsError(f"{self.url}/{key} already exists") from None
 
+    # -- fencing (store/lease.py): S3 conditional requests; a process lock for memory:// ---
+    def exclusive(self, key: str, timeout: float = 30.0) -> AbstractContextManager[None]:
+        if self.protocol == "memory":
+            return _held(_MEMORY_LOCK)
+        return contextlib.nullcontext()  # S3: replace_if/delete_if are conditional requests
+
+    @_translated
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        if not self.is_s3:
+            return super().read_versioned(key)
+        # HEAD, then GET: if the key changes in between, the ETag is the older one and a
+        # replace_if() on it fails, so a version is never paired with bytes it did not see.
+        etag = str(self._head(key)["ETag"])
+        return self.read_bytes(key), etag
+
+    @_translated
+    def replace_if(
+        self, key: str, parts: Sequence[Buffer], expected: str | None, *, durable: bool = True
+    ) -> str:
+        if not self.is_s3:
+            return super().replace_if(key, parts, expected, durable=durable)
+        data = _plain(parts)
+        bucket, name = self._split(key)
+        condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        try:
+            response = self.fs.call_s3(
+                "put_object", Bucket=bucket, Key=name, Body=data, **condition
+            )
+            return str(response["ETag"])
+        except FileExistsError:  # s3fs's name for a failed If-None-Match
+            pass
+        except OSError as exc:
+            if not (_precondition_failed(exc) or isinstance(exc, FileNotFoundError)):
+                raise
+        # 412 (or 404 for If-Match on a key that is gone). A retried request whose first
+        # attempt went through answers 412 for our own write: identical bytes mean it was.
+        try:
+            current, etag = self.read_versioned(key)
+        except FileNotFoundError:
+            raise PreconditionFailed(f"{self.url}/{key} is gone") from None
+        if current == data:
+            return etag
+        raise PreconditionFailed(f"{self.url}/{key} changed")
+
+    @_translated
+    def delete_if(self, key: str, expected: str) -> None:
+        if not self.is_s3:
+            super().delete_if(key, expected)
+            return
+        bucket, name = self._split(key)
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=expected)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if _precondition_failed(exc):
+                raise PreconditionFailed(f"{self.url}/{key} changed") from None
+            if _error_code(exc) not in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                raise
+            # A server without conditional deletes: check, then delete (a small window).
+            try:
+                if str(self._head(key)["ETag"]) != expected:
+                    raise PreconditionFailed(f"{self.url}/{key} changed") from None
+            except FileNotFoundError:
+                return
+            self.delete(key)
+
     def _pipe(self, path: str, data: bytes, *, create: bool) -> None:
         mode = "create" if create else "overwrite"
         if self.is_s3:
@@ -281,11 +353,20 @@ class FsspecBackend(Backend):
         """Nothing to flush: an acknowledged PUT is durable and visible."""
 
 
-def _precondition_failed(exc: BaseException) -> bool:
+@contextlib.contextmanager
+def _held(lock: Any) -> Iterator[None]:
+    with lock:
+        yield
+
+
+def _error_code(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     response = getattr(cause, "response", None) or {}
-    code = str(response.get("Error", {}).get("Code", ""))
-    return code in ("PreconditionFailed", "412")
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    return _error_code(exc) in ("PreconditionFailed", "412")
 
 
 def open_fsspec(url: str, **storage_options: Any) -> FsspecBackend:

@@ -1,22 +1,46 @@
-"""Single-writer leases: one writer per run at a time, stale leases taken over.
+"""Single-writer leases: one writer per run at a time, stale leases taken over, commits fenced.
 
-A lease is ``refs/leases/<run>.json`` created with create-if-absent. Its holder renews a
-heartbeat; another writer gets :class:`LeaseHeldError` unless the lease is stale: its
-heartbeat is older than ``stale_after`` seconds, or it names a process on this host that
-no longer exists (a crashed writer on the same machine is taken over at once).
+A lease is ``refs/leases/<run>.json`` (FORMAT.md §8) created with create-if-absent. Its
+holder renews a heartbeat; another writer gets :class:`LeaseHeldError` unless the lease is
+stale: its heartbeat is older than ``stale_after`` seconds, or it names a process on this
+host that no longer exists (a crashed writer on the same machine is taken over at once).
+
+**The token fences the commit.** Each lease carries a random token. Every change to the
+lease file is a compare-and-set (:meth:`Backend.replace_if <.backend.Backend.replace_if>`):
+a renewal succeeds only if the file is still the version this holder last wrote, a
+takeover only if it is still the stale version it looked at. A manager puts its lease on
+its store (``store.fences[run]``); every manifest commit or delete of that run then runs
+inside :meth:`Lease.guard`, which refuses with :class:`LeaseLostError` (naming the new
+owner) once another writer holds the run. How atomic the check is depends on the backend:
+
+* local disks (and ``memory://``): an ``flock`` on ``refs/leases/<run>.json.lock`` taken
+  by acquire, renew, release and by the commit across "read the token, rename the
+  manifest": a takeover cannot fall between the check and the rename;
+* S3: the guard renews the lease with a conditional PUT (``If-Match`` on the ETag this
+  holder last wrote) right before the manifest's PUT. A takeover needs the lease to go
+  stale, ``stale_after`` seconds after that renewal, so the commit is refused unless this
+  process stops for ``stale_after`` between two consecutive requests (S3 has no
+  transaction over two keys; RELIABILITY.md says so);
+* other fsspec filesystems: the same steps as a check-then-act (no conditional writes).
+
+A lease found lost stays lost (:attr:`Lease.lost`): every later commit is refused at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LeaseHeldError
+from ..errors import LeaseHeldError, LeaseLostError
+from .backend import PreconditionFailed
 from .names import validate_run_name
 from .repository import Store
 
@@ -35,12 +59,21 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-@dataclass
+@dataclass(eq=False)
 class Lease:
+    """The writer lease of ``run`` held by this process (see the module docstring)."""
+
     store: Store
     run: str
     token: str
     stale_after: float
+    #: the version (content hash, or S3 ETag) of the lease file this holder last wrote
+    version: str | None = field(default=None, repr=False)
+    #: set once another writer is found holding the run; every later commit raises it
+    lost: LeaseLostError | None = field(default=None, repr=False)
+    # Serialises the heartbeat thread and the commit guard of this process (both CAS on
+    # ``version``).
+    _mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def key(self) -> str:
@@ -57,20 +90,116 @@ class Lease:
         }
 
     def renew(self) -> None:
-        """Refresh the heartbeat (fails if someone else took the lease over)."""
-        current = read_lease(self.store, self.run)
-        if current is not None and current.get("token") != self.token:
-            raise LeaseHeldError(
-                f"lost the lease on run {self.run!r} to {current.get('host')}:"
-                f"{current.get('pid')} (it was considered stale); stop writing this run"
-            )
-        data = json.dumps(self._record()).encode()
-        self.store.backend.put_atomic(self.key, [data], overwrite=True)
+        """Refresh the heartbeat by compare-and-set on the version this holder last wrote.
+
+        Raises :class:`LeaseLostError` (and marks the lease lost) when another writer took
+        the run over; an ``OSError`` is a failure to reach the store (try again later).
+        """
+        with self._mutex, self.store.backend.exclusive(self.key):
+            self._renew_locked("renewing the lease")
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Hold the lease across the block (a commit): raise :class:`LeaseLostError`,
+        before anything is visible, when another writer holds the run."""
+        backend = self.store.backend
+        with self._mutex, backend.exclusive(self.key):
+            if self.lost is not None:
+                raise self._refusal(what, self.lost.owner, None)
+            if backend.exclusive_is_atomic:
+                # Every change to the lease takes this lock: reading the token suffices.
+                current, _ = self._read()
+                if not self._ours(current):
+                    raise self._lose(current, what)
+            else:
+                # No lock: a conditional renewal proves ownership and restarts the stale
+                # clock, so no takeover is possible for ``stale_after`` from now.
+                self._renew_locked(what)
+            yield
 
     def release(self) -> None:
-        current = read_lease(self.store, self.run)
-        if current is not None and current.get("token") == self.token:
-            self.store.backend.delete(self.key)
+        """Give the run up: remove the lease file if it is still ours, stop fencing."""
+        if self.store.fences.get(self.run) is self:
+            del self.store.fences[self.run]
+        if self.lost is not None:
+            return  # the file is the new owner's
+        backend = self.store.backend
+        with self._mutex, backend.exclusive(self.key):
+            current, version = self._read()
+            if version is None or not self._ours(current):
+                return
+            try:
+                backend.delete_if(self.key, version)
+            except PreconditionFailed:
+                pass  # changed since: not ours to remove
+
+    # -- helpers -----------------------------------------------------------------------
+    def _renew_locked(self, what: str) -> None:
+        if self.lost is not None:
+            raise self._refusal(what, self.lost.owner, None)
+        backend = self.store.backend
+        for _ in range(5):
+            data = json.dumps(self._record()).encode()
+            try:
+                # Not fsynced: a lease lost to a crash only makes the run free sooner.
+                self.version = backend.replace_if(self.key, [data], self.version, durable=False)
+                return
+            except PreconditionFailed:
+                pass
+            current, version = self._read()
+            if not self._ours(current):
+                raise self._lose(current, what)
+            # Still ours (a retried request that had gone through): CAS on what is there.
+            self.version = version
+        raise OSError(f"could not renew the lease of run {self.run!r}: the file keeps changing")
+
+    def _read(self) -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            data, version = self.store.backend.read_versioned(self.key)
+        except FileNotFoundError:
+            return None, None
+        try:
+            record = json.loads(data)
+        except ValueError:
+            return {"corrupt": True, "heartbeat": 0}, version
+        return (record if isinstance(record, dict) else {"corrupt": True}), version
+
+    def _ours(self, record: dict[str, Any] | None) -> bool:
+        return record is not None and record.get("token") == self.token
+
+    def _lose(self, current: dict[str, Any] | None, what: str) -> LeaseLostError:
+        owner = None
+        if current is not None and isinstance(current.get("pid"), int):
+            owner = (str(current.get("host")), int(current["pid"]))
+        self.lost = self._refusal(what, owner, current)
+        return self.lost
+
+    def _refusal(
+        self, what: str, owner: tuple[str, int] | None, current: dict[str, Any] | None
+    ) -> LeaseLostError:
+        if owner is not None:
+            since = ""
+            if current is not None and "heartbeat" in current:
+                since = f", heartbeat {time.time() - float(current['heartbeat']):.1f}s ago"
+            who = (
+                f"another writer, {owner[0]} pid {owner[1]}{since}, took run {self.run!r} "
+                f"over after this writer's heartbeat had stopped for more than "
+                f"{self.stale_after:g}s (a stopped process or VM, a long pause, a lost "
+                "network) and its lease went stale"
+            )
+        else:
+            who = (
+                f"its lease file {self.key} is gone or unreadable (removed by hand, or a "
+                "takeover in progress)"
+            )
+        return LeaseLostError(
+            f"{what} was refused: this process (pid {os.getpid()}) no longer holds the "
+            f"writer lease of run {self.run!r}: {who}. Nothing was committed or deleted. Stop "
+            "this writer (exit without saving): the new owner continues the run (resume from its "
+            "checkpoints), or write under another run name",
+            run=self.run,
+            owner=owner,
+        )
 
 
 def lease_key(run: str) -> str:
@@ -97,17 +226,25 @@ def is_stale(record: dict[str, Any], now: float | None = None) -> bool:
 
 
 def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_AFTER) -> Lease:
-    """Take the writer lease of ``run`` or raise :class:`LeaseHeldError`."""
+    """Take the writer lease of ``run`` or raise :class:`LeaseHeldError`.
+
+    A stale lease is taken over by compare-and-set on the stale version read, so of two
+    processes taking it over at once exactly one wins (the other sees a fresh lease).
+    """
     lease = Lease(store, run, uuid.uuid4().hex, stale_after)
-    data = json.dumps(lease._record()).encode()
-    for _ in range(2):
-        try:
-            store.backend.put_atomic(lease.key, [data], overwrite=False)
-            return lease
-        except FileExistsError:
-            current = read_lease(store, run)
+    backend = store.backend
+    with backend.exclusive(lease.key):
+        expected: str | None = None  # first try create-if-absent
+        for _ in range(5):
+            data = json.dumps(lease._record()).encode()
+            try:
+                lease.version = backend.replace_if(lease.key, [data], expected)
+                return lease
+            except PreconditionFailed:
+                pass
+            current, expected = lease._read()
             if current is None:
-                continue
+                continue  # released meanwhile: create it
             if not is_stale(current):
                 age = time.time() - float(current.get("heartbeat", 0))
                 raise LeaseHeldError(
@@ -115,6 +252,18 @@ def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_
                     f"{current.get('pid')} (heartbeat {age:.0f}s ago). Two writers on one run "
                     f"would corrupt its history: stop the other writer, use another run name, "
                     f"or wait {stale_after:.0f}s for its lease to go stale"
-                ) from None
-            store.backend.delete(lease.key)  # stale: take it over
-    raise LeaseHeldError(f"could not acquire the lease of run {run!r} (contention)")
+                )
+            # stale: replace exactly the version read (CAS), next round
+    raise LeaseHeldError(f"could not acquire the lease of run {run!r} (contention); retry")
+
+
+__all__ = [
+    "DEFAULT_STALE_AFTER",
+    "Lease",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "acquire_lease",
+    "is_stale",
+    "lease_key",
+    "read_lease",
+]

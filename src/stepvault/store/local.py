@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,12 +78,18 @@ class LocalBackend(Backend):
     manifest, so an object is durable before any manifest that references it.
     """
 
+    #: ``flock`` excludes every process on this host (and, over NFSv4, other hosts).
+    exclusive_is_atomic = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
         self.url = str(self.root)
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
         self._made_dirs: set[str] = set()
+        # One lock per key within this process too: over NFS, flock is emulated with POSIX
+        # locks, which do not exclude threads of one process from each other.
+        self._key_locks: dict[str, threading.Lock] = {}
 
     # -- helpers -----------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -241,6 +251,30 @@ class LocalBackend(Backend):
         self, key: str, parts: Sequence[Buffer], *, overwrite: bool = True, durable: bool = True
     ) -> None:
         tmp, final = self._write_tmp(key, parts, durable=durable)
+        self._make_visible(key, tmp, final, overwrite=overwrite, durable=durable)
+
+    def put_fenced(
+        self,
+        key: str,
+        parts: Sequence[Buffer],
+        fence: AbstractContextManager[object],
+        *,
+        overwrite: bool = True,
+        durable: bool = True,
+    ) -> None:
+        # The bytes are written and fsynced before the fence is taken: it is held only for
+        # the check and the rename (microseconds), so the lease's lock is never held
+        # across IO another process could wait on.
+        tmp, final = self._write_tmp(key, parts, durable=durable)
+        try:
+            with fence:
+                self._make_visible(key, tmp, final, overwrite=overwrite, durable=durable)
+        finally:
+            _silent_unlink(tmp)  # gone already once renamed; the refused write's temp file
+
+    def _make_visible(
+        self, key: str, tmp: str, final: str, *, overwrite: bool, durable: bool
+    ) -> None:
         try:
             if overwrite:
                 os.replace(tmp, final)
@@ -255,6 +289,43 @@ class LocalBackend(Backend):
         if durable:
             with self._lock:
                 self._dirty.add(os.path.dirname(final))
+
+    @contextlib.contextmanager
+    def exclusive(self, key: str, timeout: float = 30.0) -> Iterator[None]:
+        """``flock`` on ``<key>.lock`` (created once, never removed: removing a lock file
+        races with the next locker) for the duration of the block."""
+        path = self._path(key) + ".lock"
+        with self._lock:
+            local = self._key_locks.setdefault(path, threading.Lock())
+        if not local.acquire(timeout=timeout):
+            raise TimeoutError(f"{key}: lock held by another thread of this process")
+        try:
+            self._ensure_dir(os.path.dirname(path))
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+            try:
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        # Held for microseconds by a live holder; held longer only by a
+                        # process stopped inside its critical section (SIGSTOP).
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(
+                                errno.ETIMEDOUT,
+                                f"{self.url}/{key}: locked by another process for more than "
+                                f"{timeout:.0f}s (a stopped process holds it?); retry later",
+                            ) from None
+                        time.sleep(0.005)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+        finally:
+            local.release()
 
     def put_staged(self, key: str, parts: Sequence[Buffer]) -> _Staged:
         # Written without fsync, writeback started at once: the device works on this file

@@ -17,12 +17,14 @@ This layer moves opaque bytes; what an object or manifest *means* is the format 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from ..errors import (
     CheckpointExistsError,
@@ -43,6 +45,14 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 _STEP_FILE = re.compile(r"^(0|[1-9][0-9]{0,17})\.json$")
 _HOLD_FILE = re.compile(r"^(0|[1-9][0-9]{0,17})@(.+)\.json$")
 _UNSET = object()
+
+
+class Fence(Protocol):
+    """What a commit of a fenced run checks: the writer lease (:class:`~.lease.Lease`)."""
+
+    def guard(self, what: str) -> AbstractContextManager[None]:
+        """Held around making ``what`` visible; raises when this writer may not write."""
+        ...
 
 
 def backend_for(root: str | os.PathLike[str] | Backend, **storage_options: Any) -> Backend:
@@ -69,6 +79,10 @@ class Store:
         self.backend = backend
         self.settings = settings
         self._signer: Signer | object | None = _UNSET
+        #: run -> its writer's lease: every manifest commit and delete of that run through
+        #: this store is checked against the lease's token, atomically with the rename or
+        #: conditional write where the backend allows (set by the manager, store/lease.py)
+        self.fences: dict[str, Fence] = {}
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
@@ -244,19 +258,27 @@ class Store:
 
         With a signer (:attr:`signer`, or ``$STEPVAULT_SIGNING_KEY``) the detached signature
         ``<step>.sig`` is written first, so a visible manifest of a signed run always has one.
+        A run with a fence (:attr:`fences`: its writer's lease) commits only while that
+        lease is still this writer's; else :class:`~stepvault.errors.LeaseLostError` and
+        nothing is visible.
         """
         key = self.manifest_key(run, step)
+        fence = self.fences.get(run)
+        guard = fence.guard(f"the commit of {run}@{step}") if fence is not None else None
         signer = self.signer
-        if signer is not None:
-            if not overwrite and self.backend.exists(key):
-                raise CheckpointExistsError(
-                    f"checkpoint {run}@{step} already exists in {self.backend.url}; pass "
-                    "overwrite=True to replace it, or save under another step"
-                )
-            sig = json.dumps(signer.sign(data), sort_keys=True).encode()
-            self.backend.put_atomic(self.signature_key(run, step), [sig])
         try:
-            self.backend.put_atomic(key, [data], overwrite=overwrite, durable=True)
+            if guard is not None and signer is None:
+                self.backend.put_fenced(key, [data], guard, overwrite=overwrite, durable=True)
+            else:
+                # Signed: the signature goes under the fence too, so a writer that lost the
+                # run never replaces the new owner's signature of the same step.
+                with guard if guard is not None else contextlib.nullcontext():
+                    if signer is not None:
+                        if not overwrite and self.backend.exists(key):
+                            raise FileExistsError(key)
+                        sig = json.dumps(signer.sign(data), sort_keys=True).encode()
+                        self.backend.put_atomic(self.signature_key(run, step), [sig])
+                    self.backend.put_atomic(key, [data], overwrite=overwrite, durable=True)
         except FileExistsError:
             raise CheckpointExistsError(
                 f"checkpoint {run}@{step} already exists in {self.backend.url}; pass "
@@ -265,7 +287,9 @@ class Store:
         self.backend.sync()
 
     def delete_manifest(self, run: str, step: int) -> None:
-        self.backend.delete(self.manifest_key(run, step))
+        fence = self.fences.get(run)  # a writer that lost the run deletes nothing of it
+        with fence.guard(f"deleting {run}@{step}") if fence else contextlib.nullcontext():
+            self.backend.delete(self.manifest_key(run, step))
         self.backend.sync()
         self.backend.delete(self.signature_key(run, step))
 
