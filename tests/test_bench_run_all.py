@@ -11,7 +11,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "run_all.py"
-SECTIONS = ("summary", "peers", "incremental", "scale", "core", "dist", "tiers", "mem", "resume")
+SECTIONS = (
+    "summary",
+    "peers",
+    "incremental",
+    "scale",
+    "core",
+    "dist",
+    "tiers",
+    "mem",
+    "resume",
+    "pipeline",
+)
 TARGETS = (
     "durable save ≥ 0.8× raw disk",
     "durable save ≥ 1.0× safetensors",
@@ -21,6 +32,8 @@ TARGETS = (
     "full restore ≤ 1.0× safetensors load (warm)",
     "bf16 ratio within 0.02 of zipnn, at ≥ zstd-3 speed",
     "listing 10k checkpoints < 1 s",
+    "saves/s into a run of 10k ≥ 0.9× a fresh run",
+    "a retention save reads no manifest of another run",
 )
 
 

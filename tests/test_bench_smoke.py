@@ -50,3 +50,36 @@ def test_bench_replication_writes_its_section_with_the_manager_rows(tmp_path):
     assert text.startswith("# keep me") and text.rstrip().endswith("tail") and "old" not in text
     assert "Stall with replication / without:" in text
     assert "| rank 1 (node n1) | peer |" in text  # the wiped node restored from its buddy
+
+
+def test_bench_pipeline_writes_its_section_with_every_row(tmp_path):
+    """A tiny run of the pipeline benchmark (issue 27's rows); only its section is rewritten
+    and every row has a measurement."""
+    import json
+    import subprocess
+
+    out = tmp_path / "B.md"
+    out.write_text("# keep me\n<!-- pipeline:begin -->\nold\n<!-- pipeline:end -->\ntail\n")
+    script = REPO / "benchmarks" / "bench_pipeline.py"
+    args = ["--checkpoints", "40", "--saves", "5", "--rounds", "1", "--other", "10"]
+    args += [
+        "--requests-long",
+        "20",
+        "--workdir",
+        str(tmp_path),
+        "--json",
+        str(tmp_path / "p.json"),
+    ]
+    res = subprocess.run(
+        [sys.executable, str(script), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# keep me") and text.rstrip().endswith("tail") and "old" not in text
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert len(doc["rows"]) == 4
+    assert doc["retention"]["other_runs"] == 0  # a retention save reads no other run
+    assert doc["mark"]["parsed_with_lists"] == 0
