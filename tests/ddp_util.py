@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers import wait_for_checkpoint
+
 import stepvault
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -109,20 +111,8 @@ def kill_job_when_saved(
         env=ENV,
         start_new_session=True,
     )
-    deadline = time.time() + timeout
     try:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"the job ended before it was killed: {proc.stderr.read()}")
-            try:
-                steps = stepvault.open(root).steps(run)
-            except stepvault.errors.StepvaultError:
-                steps = []
-            if steps and steps[-1] >= min_step:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"the job wrote no checkpoint at step >= {min_step} in time")
+        wait_for_checkpoint(proc, root, run, min_step=min_step, timeout=timeout, name="the job")
         victims = _descendants(proc.pid)
         if main_only:
             os.kill(proc.pid, sig)
@@ -155,7 +145,3 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return False
-
-
-def final_digest(stdout: str) -> str:
-    return next(line.split()[1] for line in stdout.splitlines() if line.startswith("FINAL"))

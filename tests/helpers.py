@@ -1,14 +1,20 @@
 """Plain helpers shared by test modules (fixtures are in tests/conftest.py): tiny states,
-comparing modules, and running ``tests/scripts/train_loop.py`` as a real training process."""
+comparing modules, damaging a stored object, and running ``tests/scripts/train_loop.py`` as
+a real training process."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+import stepvault
+from stepvault.errors import StepvaultError
 
 #: A training process that checkpoints into ``--store`` and prints ``STEP n``, ``FRESH`` or
 #: ``RESUMED n`` as it goes and ``FINAL <digest of the trained state>`` at the end.
@@ -34,7 +40,82 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-# ------------------------------------------------------------ the training-loop script
+# ------------------------------------------------------------------ damaging a store
+def object_path(root, digest: str) -> str:
+    """Where a local store at ``root`` keeps the object ``digest``."""
+    return os.path.join(root, "objects", digest[:2], digest)
+
+
+def flip_byte(path, at: int = -1) -> None:
+    """Flip the lowest bit of the byte ``at`` (from the end) of the file at ``path``: the
+    smallest damage, which any content check must still catch."""
+    with open(path, "r+b") as f:
+        f.seek(at, os.SEEK_END)
+        b = f.read(1)
+        f.seek(at, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+# ------------------------------------------------------------ the CLI in a new process
+_RUN_CLI = """
+import json, sys
+from stepvault.cli.main import main
+args, modules = json.loads(sys.argv[1])
+sys.argv = ["stepvault", *args]
+code = 0
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code or 0
+sys.stdout.write("\\nMODULES " + json.dumps({m: m in sys.modules for m in modules}))
+sys.exit(code)
+"""
+
+
+def cli_in_new_process(
+    *args: str,
+    code: int = 0,
+    modules: tuple[str, ...] = ("torch",),
+    env: dict[str, str] | None = None,
+) -> tuple[str, str, dict[str, bool]]:
+    """Run ``stepvault *args`` in a new interpreter, as users start it; its stdout, its
+    stderr and, for each of ``modules``, whether the command had imported it by the end
+    (start-up cost: commands that only read JSON must not import torch). Fails unless it
+    exits with ``code``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_CLI, json.dumps([list(args), list(modules)])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == code, proc.stderr
+    out, _, loaded = proc.stdout.rpartition("\nMODULES ")
+    return out, proc.stderr, json.loads(loaded)
+
+
+# ---------------------------------------------------------------- training processes
+def wait_for_checkpoint(
+    proc: subprocess.Popen, root, run: str, *, min_step: int, timeout: float, name: str
+) -> None:
+    """Until ``run`` in the store at ``root`` has a committed checkpoint at ``min_step`` or
+    later. Fails, naming ``name``, when ``proc`` ends first (with its stderr, a pipe) or no
+    such checkpoint comes within ``timeout`` seconds."""
+    assert proc.stderr is not None
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{name} ended before it was killed: {proc.stderr.read()}")
+        try:
+            steps = stepvault.open(root).steps(run)
+        except StepvaultError:  # no store yet: the process has not written its first save
+            steps = []
+        if steps and steps[-1] >= min_step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{name} wrote no checkpoint at step >= {min_step} in time")
+
+
 def run_train_loop(store, *args: str, timeout: float = 120) -> str:
     """Run the training script on ``store`` to completion; its stdout (fails on a non-zero
     exit, with its stderr)."""

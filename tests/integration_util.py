@@ -10,8 +10,9 @@ import runpy
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from helpers import flip_byte, object_path, wait_for_checkpoint
 
 import stepvault
 
@@ -30,12 +31,7 @@ def damage_newest(root, run: str) -> int:
         older |= set(vault.manifest(run, step).objects)
     only = sorted(set(vault.manifest(run, newest).objects) - older)
     assert only, "the newest checkpoint shares every object with older ones"
-    path = os.path.join(root, "objects", only[0][:2], only[0])
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(object_path(root, only[0]))
     return newest
 
 
@@ -76,10 +72,6 @@ def run_example_here(script: str, *args: str) -> str:
     return out.getvalue()
 
 
-def final_digest(stdout: str) -> str:
-    return next(line.split()[1] for line in stdout.splitlines() if line.startswith("FINAL"))
-
-
 def kill_when_saved(
     script: str,
     root,
@@ -100,20 +92,8 @@ def kill_when_saved(
         text=True,
         env=ENV,
     )
-    deadline = time.time() + timeout
     try:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"{script} ended before it was killed: {proc.stderr.read()}")
-            try:
-                steps = stepvault.open(root).steps(run)
-            except stepvault.errors.StepvaultError:
-                steps = []
-            if steps and steps[-1] >= min_step:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"{script} wrote no checkpoint at step >= {min_step} in time")
+        wait_for_checkpoint(proc, root, run, min_step=min_step, timeout=timeout, name=script)
         os.kill(proc.pid, sig)
         proc.wait(timeout=120)
         err = proc.stderr.read()

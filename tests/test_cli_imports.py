@@ -13,33 +13,14 @@ import sys
 
 import pytest
 import torch
+from helpers import cli_in_new_process
 
 import stepvault
 
-RUN_CLI = """
-import json, sys
-from stepvault.cli.main import main
-sys.argv = ["stepvault", *json.loads(sys.argv[1])]
-code = 0
-try:
-    main()
-except SystemExit as exc:
-    code = exc.code or 0
-print("\\nMODULES " + json.dumps({m: m in sys.modules for m in ("torch", "stepvault.api")}))
-sys.exit(code)
-"""
-
 
 def _cli(*args: str) -> tuple[str, dict[str, bool]]:
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN_CLI, json.dumps(list(args))],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out, _, mods = proc.stdout.rpartition("\nMODULES ")
-    return out, json.loads(mods)
+    out, _, mods = cli_in_new_process(*args, modules=("torch", "stepvault.api"))
+    return out, mods
 
 
 def test_importing_the_cli_does_not_import_torch():

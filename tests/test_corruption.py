@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import flip_byte, object_path
 from typer.testing import CliRunner
 
 import stepvault
@@ -16,10 +17,6 @@ from stepvault.cli.main import app
 
 def _objects(root, run, step):
     return set(stepvault.open(root).manifest(run, step).objects)
-
-
-def _object_path(root, digest):
-    return os.path.join(root, "objects", digest[:2], digest)
 
 
 @pytest.fixture
@@ -37,21 +34,13 @@ def two_checkpoints(tmp_path):
     return tmp_path, only2, first
 
 
-def _flip_last_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def _live():
     return {"w": torch.zeros(400_000), "b": torch.zeros(10), "step": 0}
 
 
 def test_flipped_byte_found_by_deep_verify_and_skipped_by_restore(two_checkpoints):
     root, only2, first = two_checkpoints
-    _flip_last_byte(_object_path(root, next(iter(only2))))
+    flip_byte(object_path(root, next(iter(only2))))
     assert stepvault.ops.verify(root).ok  # sizes unchanged: quick verify cannot see a flip
     report = stepvault.ops.verify(root, deep=True)
     assert not report.ok
@@ -71,7 +60,7 @@ def test_flipped_byte_found_by_deep_verify_and_skipped_by_restore(two_checkpoint
 
 def test_truncated_and_missing_objects(two_checkpoints):
     root, only2, _ = two_checkpoints
-    path = _object_path(root, next(iter(only2)))
+    path = object_path(root, next(iter(only2)))
     with open(path, "r+b") as f:
         f.truncate(100)
     report = stepvault.ops.verify(root)
@@ -96,7 +85,7 @@ def test_damaged_manifest_is_skipped(two_checkpoints):
 
 def test_unknown_codec_is_an_error_not_garbage(two_checkpoints):
     root, only2, _ = two_checkpoints
-    path = _object_path(root, next(iter(only2)))
+    path = object_path(root, next(iter(only2)))
     data = Path(path).read_bytes()
     assert b'"codec":"raw"' in data
     Path(path).write_bytes(data.replace(b'"codec":"raw"', b'"codec":"lz9"', 1))
@@ -121,7 +110,7 @@ def test_newer_manifest_version_is_refused(two_checkpoints):
 def test_every_checkpoint_damaged(two_checkpoints):
     root, _, _ = two_checkpoints
     for digest in _objects(root, "r", 1) | _objects(root, "r", 2):
-        os.unlink(_object_path(root, digest))
+        os.unlink(object_path(root, digest))
     live = _live()
     with pytest.raises(stepvault.errors.NoValidCheckpointError) as exc:
         stepvault.restore(root, live, run="r")
@@ -135,7 +124,7 @@ def test_cli_verify_exit_codes_and_json(two_checkpoints):
     ok = runner.invoke(app, ["--root", str(root), "verify", "--deep"])
     assert ok.exit_code == 0, ok.output
     assert "0 damaged" in ok.output
-    _flip_last_byte(_object_path(root, next(iter(only2))))
+    flip_byte(object_path(root, next(iter(only2))))
     bad = runner.invoke(app, ["--root", str(root), "verify", "--deep", "--json"])
     assert bad.exit_code == 1
     doc = json.loads(bad.output)
@@ -148,10 +137,10 @@ def test_cli_verify_exit_codes_and_json(two_checkpoints):
 def test_damaged_object_is_quarantined_and_rewritten_by_the_next_save(two_checkpoints):
     root, only2, _ = two_checkpoints
     victim = next(iter(only2))
-    _flip_last_byte(_object_path(root, victim))
+    flip_byte(object_path(root, victim))
     info = stepvault.restore(root, _live(), run="r")
     assert info.step == 1 and "quarantine" in info.skipped[0].reason
-    assert not os.path.exists(_object_path(root, victim))
+    assert not os.path.exists(object_path(root, victim))
     assert os.path.exists(os.path.join(root, "quarantine", victim))
     # Re-saving the same content (deterministic training after a resume) writes a good copy
     # instead of deduplicating against the damaged one.

@@ -13,35 +13,22 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
 
 import pytest
+from helpers import final_digest, run_train_loop, start_train_loop
 
 import stepvault
 
-SCRIPT = Path(__file__).parent / "scripts" / "train_loop.py"
 ARGS = ["--steps", "30", "--save-every", "3", "--width", "256", "--slow-writes", "0.05"]
-
-
-def _final(stdout: str) -> str:
-    return next(line.split()[1] for line in stdout.splitlines() if line.startswith("FINAL"))
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--store", str(tmp_path_factory.mktemp("ref")), *ARGS],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    return _final(out.stdout)
+    return final_digest(run_train_loop(tmp_path_factory.mktemp("ref"), *ARGS, timeout=300))
 
 
 def _cold(root: Path) -> Path:
@@ -68,12 +55,7 @@ def _trial(root: Path, seed: int, reference: str) -> dict:
     """One kill; odd seeds also run a cold tier, so kills land in tier moves too."""
     rng = random.Random(seed)
     tier = ["--cold", str(_cold(root))] if seed % 2 else []
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--store", str(root), *ARGS, *tier],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_train_loop(root, *ARGS, *tier)
     # wait until training runs (imports take a while), then kill at a random instant
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -85,16 +67,10 @@ def _trial(root: Path, seed: int, reference: str) -> dict:
     proc.wait(timeout=60)
     committed = _committed(root)
     _verify_all(root)
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--store", str(root), *ARGS, *tier],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
+    stdout = run_train_loop(root, *ARGS, *tier, timeout=300)
     expected = f"RESUMED {committed[-1]}" if committed else "FRESH"
-    assert expected in out.stdout
-    assert _final(out.stdout) == reference
+    assert expected in stdout
+    assert final_digest(stdout) == reference
     _verify_all(root)
     if tier:  # the policy ran to the end: every 6th step archived, consistent both sides
         assert stepvault.open(_cold(root)).steps("job")[-1] == 30

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import final_digest
 
 import stepvault
 
@@ -40,13 +41,9 @@ def _run(root: Path) -> str:
     return out.stdout
 
 
-def _final(stdout: str) -> str:
-    return next(line.split()[1] for line in stdout.splitlines() if line.startswith("FINAL"))
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return _final(_run(tmp_path_factory.mktemp("ref") / "store"))
+    return final_digest(_run(tmp_path_factory.mktemp("ref") / "store"))
 
 
 @pytest.mark.parametrize("seed", range(2000, 2004))
@@ -85,5 +82,5 @@ def test_multi_rank_job_killed_at_random_instants(tmp_path, reference, seed):
         assert report.ok, report.to_json()
     out = _run(root)
     assert (f"RESUMED {committed[-1]}" if committed else "FRESH") in out
-    assert _final(out) == reference
+    assert final_digest(out) == reference
     assert stepvault.ops.verify(root, deep=True).ok

@@ -13,9 +13,9 @@ pytest.importorskip("torchdata.stateful_dataloader")
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration  # noqa: E402
+from helpers import final_digest, same_weights  # noqa: E402
 from integration_util import (  # noqa: E402
     damage_newest,
-    final_digest,
     first_saves_asynchronous,
     kill_when_saved,
     run_example,
@@ -30,7 +30,11 @@ from stepvault.integrations.accelerate import (  # noqa: E402
     save_state,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+#: one_thread (tests/conftest.py): tiny models are faster, and steadier, on one thread
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def _setup():
@@ -86,20 +90,6 @@ def _train(root, *, stop=None, total=20):
     return model, info, progress
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and steadier on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _same(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def test_checkpointer_stop_and_resume_is_bitwise_equal(tmp_path):
     reference, _, _ = _train(tmp_path / "ref")
     _, _, progress = _train(tmp_path / "s", stop=9)
@@ -107,7 +97,7 @@ def test_checkpointer_stop_and_resume_is_bitwise_equal(tmp_path):
     assert stepvault.open(tmp_path / "s").steps("r") == [4, 8]
     resumed, info, progress = _train(tmp_path / "s")
     assert info.step == 8
-    assert _same(reference, resumed)
+    assert same_weights(reference, resumed)
     assert progress["step"] == 20
     assert stepvault.open(tmp_path / "s").steps("r") == [16, 20]
     assert "loss" in stepvault.open(tmp_path / "s").checkpoints("r")[-1].metrics

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_util import ENV, example, final_digest, kill_job_when_saved, run_job, torchrun
+from ddp_util import ENV, example, kill_job_when_saved, run_job, torchrun
+from helpers import final_digest
 from integration_util import damage_newest
 
 import stepvault

@@ -14,9 +14,9 @@ pl = pytest.importorskip("lightning.pytorch")
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
 import torch  # noqa: E402
+from helpers import final_digest, same_weights  # noqa: E402
 from integration_util import (  # noqa: E402
     damage_newest,
-    final_digest,
     first_saves_asynchronous,
     kill_when_saved,
     run_example,
@@ -29,7 +29,11 @@ from stepvault import Every, KeepLast  # noqa: E402
 from stepvault.integrations.lightning import StepvaultCheckpoint  # noqa: E402
 from stepvault.ops.export import weight_tensors  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+#: one_thread (tests/conftest.py): tiny models are faster, and steadier, on one thread
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 class Tiny(pl.LightningModule):
@@ -100,20 +104,6 @@ def _fit(
     return model, ckpt
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and steadier on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _same(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def test_stop_and_resume_mid_epoch_is_bitwise_equal(tmp_path):
     reference, _ = _fit(tmp_path / "ref")
     _, first = _fit(tmp_path / "s", stop=16)
@@ -121,7 +111,7 @@ def test_stop_and_resume_mid_epoch_is_bitwise_equal(tmp_path):
     assert stepvault.open(tmp_path / "s").steps("r") == [7, 14]  # mid-epoch (10 batches/epoch)
     resumed, ckpt = _fit(tmp_path / "s", resume=True)
     assert ckpt.last_restore.step == 14 and not ckpt.last_restore.skipped
-    assert _same(reference, resumed)
+    assert same_weights(reference, resumed)
     # The staging was prepared at train start (and again after a fresh Adam's first step):
     # the first save of the fresh run (7) and of the resumed one (21) only copied.
     assert first_saves_asynchronous(tmp_path / "s", "r") == {7: True, 14: True, 21: True}
@@ -148,7 +138,7 @@ def test_gradient_accumulation_saves_only_at_optimizer_steps(tmp_path):
         assert loops["epoch_loop.batch_progress"]["total"]["processed"] == 2 * step
     resumed, ckpt = _fit(tmp_path / "s", resume=True, max_steps=12, **args)
     assert ckpt.last_restore.step == 7
-    assert _same(reference, resumed)
+    assert same_weights(reference, resumed)
 
 
 def test_resume_skips_a_damaged_checkpoint(tmp_path):

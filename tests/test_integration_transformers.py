@@ -10,9 +10,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from helpers import final_digest, same_weights  # noqa: E402
 from integration_util import (  # noqa: E402
     damage_newest,
-    final_digest,
     first_saves_asynchronous,
     kill_when_saved,
     run_example,
@@ -28,6 +28,9 @@ from transformers import (  # noqa: E402
 import stepvault  # noqa: E402
 from stepvault import Every, KeepBest, KeepLast  # noqa: E402
 from stepvault.integrations.transformers import StepvaultCallback, StepvaultTrainer  # noqa: E402
+
+#: one_thread (tests/conftest.py): tiny models are faster, and steadier, on one thread
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -89,27 +92,13 @@ def _train(tmp_path, root, *, stop=None, resume=None, save="policy", **args):
     return model, ckpt, trainer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and steadier on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _same(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def test_stop_and_resume_is_bitwise_equal(tmp_path):
     reference, _, _ = _train(tmp_path, tmp_path / "ref")
     _, first, _ = _train(tmp_path, tmp_path / "s", stop=9)
     assert first.has_checkpoint and stepvault.open(tmp_path / "s").steps("gpt") == [4, 8]
     resumed, ckpt, trainer = _train(tmp_path, tmp_path / "s", resume=True)
     assert ckpt.last_restore.step == 8
-    assert _same(reference, resumed)
+    assert same_weights(reference, resumed)
     assert trainer.state.global_step == 15
     # The restored TrainerState carried the log history of the first 8 steps.
     assert [e["step"] for e in trainer.state.log_history if "loss" in e][:8] == list(range(1, 9))

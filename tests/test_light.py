@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest
 import torch
+from helpers import flip_byte, object_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -199,14 +199,6 @@ def test_latest_uses_light_only_when_told_and_never_past_a_newer_full(tmp_path):
     assert stepvault.restore(tmp_path, {"model": m2}, run="r", strict=False).step == 2
 
 
-def _flip(path):
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 1]))
-
-
 def test_damaged_or_missing_base_is_reported_and_skipped(tmp_path):
     _run_with_light(tmp_path)
     vault = stepvault.open(tmp_path)
@@ -214,7 +206,7 @@ def test_damaged_or_missing_base_is_reported_and_skipped(tmp_path):
     only2 -= set(vault.manifest("r", 4).objects)  # damage what only the base holds
     assert only2
     for digest in only2:
-        _flip(tmp_path / "objects" / digest[:2] / digest)
+        flip_byte(object_path(tmp_path, digest))
     m2, o2 = _fresh()
     info = stepvault.restore(tmp_path, _state(m2, o2, 0), run="r", resume_from_light=True)
     assert info.step == 1 and not info.lossy

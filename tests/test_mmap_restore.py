@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers import flip_byte, object_path
 
 import stepvault
 from stepvault.engine import copying
@@ -21,20 +22,8 @@ def _store(root) -> Store:
     return Store.open(root, create=True, defaults={**settings, "codec": "raw"})
 
 
-def _object_path(root, digest: str) -> str:
-    return os.path.join(root, "objects", digest[:2], digest)
-
-
-def _flip(path: str, at: int = -1) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at, os.SEEK_END)
-        b = f.read(1)
-        f.seek(at, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def _file_bytes(root, digest: str) -> bytes:
-    with open(_object_path(root, digest), "rb") as f:
+    with open(object_path(root, digest), "rb") as f:
         return f.read()
 
 
@@ -86,7 +75,7 @@ def test_damaged_last_chunk_leaves_live_state_unchanged_on_parallel_path(tmp_pat
     # The last object step 2 names (the last chunk read) and only step 2 has.
     last = [d for t in m2.tensors.values() for d, _, _ in t.chunks][-1]
     assert last not in set(m1.objects)
-    _flip(_object_path(tmp_path, last))
+    flip_byte(object_path(tmp_path, last))
 
     torch.manual_seed(1)
     live = {"model": Net()}
@@ -172,7 +161,7 @@ def test_writing_a_mapped_tensor_never_changes_the_store(stored):
 def test_mmap_load_never_hands_out_a_damaged_object(stored):
     root, _ = stored
     digest = stepvault.open(root).manifest("r", 1).tensors["one"].chunks[0][0]
-    _flip(_object_path(root, digest))
+    flip_byte(object_path(root, digest))
     ckpt = stepvault.open(root).checkpoint("r", 1)
     with pytest.raises(CorruptObjectError, match="does not match its hash"):
         ckpt.tensor("one", mmap=True)
@@ -228,7 +217,7 @@ def test_restore_assign_on_damage_changes_nothing(tmp_path):
     torch.manual_seed(0)
     stepvault.save(tmp_path, {"model": Net()}, run="r", step=1)
     m = stepvault.open(tmp_path).manifest("r", 1)
-    _flip(_object_path(tmp_path, [d for t in m.tensors.values() for d, _, _ in t.chunks][-1]))
+    flip_byte(object_path(tmp_path, [d for t in m.tensors.values() for d, _, _ in t.chunks][-1]))
     model = Net()
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]

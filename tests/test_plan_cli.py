@@ -3,42 +3,21 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import cli_in_new_process
 
 import stepvault
 from stepvault.policy import Every
 
 JOB = ["--mtbf", "24h", "--save-cost", "60", "--step-time", "2", "--total-steps", "200000"]
 
-RUN_CLI = """
-import json, sys
-from stepvault.cli.main import main
-sys.argv = ["stepvault", *json.loads(sys.argv[1])]
-code = 0
-try:
-    main()
-except SystemExit as exc:
-    code = exc.code or 0
-sys.stdout.write("\\nTORCH " + json.dumps("torch" in sys.modules))
-sys.exit(code)
-"""
-
 
 def _cli(*args: str, code: int = 0) -> tuple[str, str, bool]:
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN_CLI, json.dumps(list(args))],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == code, proc.stderr
-    out, _, torch_loaded = proc.stdout.rpartition("\nTORCH ")
-    return out, proc.stderr, json.loads(torch_loaded)
+    env = {"COLUMNS": "160", "PATH": "/usr/bin:/bin"}  # a fixed width: stable tables
+    out, err, mods = cli_in_new_process(*args, code=code, env=env)
+    return out, err, mods["torch"]
 
 
 def test_plan_json_schema_for_a_job_without_torch():
