@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from .._env import environment
+from ..catalog import commit as epilogue
 from ..catalog.attachments import add_attachments
 from ..catalog.lineage import Lineage, write_lineage
-from ..catalog.summaries import record_commit
 from ..engine import HostArray, to_host, write_checkpoint
 from ..engine.writer import ChunkDigests
 from ..errors import StepvaultError
@@ -153,10 +153,11 @@ def write_manifest(
 def _after_commit(
     store: Store, then: Callable[[Manifest, bytes], None] | None
 ) -> Callable[[Manifest, bytes], None]:
-    """Right after the commit: the summary row, then the caller's ``then``."""
+    """Right after the commit: the epilogue's summary row (``catalog/commit.py``), then
+    the caller's ``then``."""
 
     def run(m: Manifest, data: bytes) -> None:
-        record_commit(store, m, data)
+        epilogue.after_commit(store, m, data)
         if then is not None:
             then(m, data)
 
@@ -164,18 +165,11 @@ def _after_commit(
 
 
 def _before_commit(store: Store, manifest: Manifest) -> Callable[[], None]:
-    """Right before the commit: a light checkpoint names its base's chunks, then every
-    reused delta object's bases are listed (so GC keeps them)."""
+    """Right before the commit, the epilogue every save shares (``catalog/commit.py``): a
+    light checkpoint names its base's chunks, then every reused delta object's bases are
+    listed (so GC keeps them)."""
     light = _light_commit(store, manifest)
-
-    def run() -> None:
-        from ..tiers.delta_copy import list_delta_bases
-
-        if light is not None:
-            light()
-        list_delta_bases(store, manifest)
-
-    return run
+    return lambda: epilogue.before_commit(store, manifest, light=light)
 
 
 def _light_commit(store: Store, manifest: Manifest) -> Callable[[], None] | None:
@@ -185,6 +179,16 @@ def _light_commit(store: Store, manifest: Manifest) -> Callable[[], None] | None
     from .light import adopt_base_tensors
 
     return lambda: adopt_base_tensors(store, manifest)
+
+
+def _light_as_full(store: Store, run: str, step: int) -> None:
+    """The run's event log records that a light save under a group was written full."""
+    from ..catalog.events import log_event
+
+    try:
+        log_event(store, run, "light_as_full", step=step, reason="multi-rank saves are always full")
+    except OSError:
+        pass  # the log is a record, never a reason to fail a save
 
 
 def save(
@@ -218,7 +222,8 @@ def save(
     ``kind="light"`` stores the float tensors as quantised deltas against the run's newest
     full checkpoint, lossy, with the measured error in the manifest (``light`` configures
     it: :class:`stepvault.core.light.LightOptions`); without a full checkpoint yet it saves
-    a full one (``SaveInfo.kind`` and the event log say so).
+    a full one (``SaveInfo.kind`` and the event log say so), and so does a light save under
+    a process group (light checkpoints need one process; a one-time RuntimeWarning says so).
     ``codec`` overrides the store's setting for this save: ``raw``, ``zstd``, ``float`` or
     ``auto``. With ``overwrite=True`` an existing checkpoint of the same step is replaced
     atomically (otherwise :class:`CheckpointExistsError`).
@@ -255,12 +260,10 @@ def save(
             lineage_digest = write_lineage(store, run, lineage)
         target = store
     if is_collective(state, collective):
-        if kind == "light":
-            raise ValueError(
-                "light checkpoints are not supported by multi-rank saves yet: save "
-                "kind='full' (or light checkpoints from one process)"
-            )
-        from ..distributed.api import save_state
+        from ..distributed.api import collective_kind, save_state
+
+        # The manager's rule too: a light save under a group is written full (warned once).
+        as_full = collective_kind(kind) != kind
 
         if attachments:
             raise ValueError(
@@ -279,6 +282,8 @@ def save(
             lineage=lineage_digest,
         )
         committed = target if isinstance(target, Store) else Store.open(target)
+        if as_full and current_rank() == 0:
+            _light_as_full(committed, run, step)
         m = parse_manifest(committed.read_manifest(run, step), f"{run}@{step}")
         return SaveInfo.of_manifest(m, time.perf_counter() - t0)
     snapshot = take_snapshot(state, kind="full" if kind == "light" else kind)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -284,7 +285,14 @@ def _dcp_load(
     dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner())
 
 
-__all__ = ["load_sharded", "restore_state", "save_sharded", "save_state", "torch"]
+__all__ = [
+    "collective_kind",
+    "load_sharded",
+    "restore_state",
+    "save_sharded",
+    "save_state",
+    "torch",
+]
 
 
 _CALLS = {"n": 0}
@@ -315,6 +323,32 @@ def handshake(what: str, timeout: float) -> None:
             "on rank 0 only would keep just rank 0's shards of a sharded model). For a "
             "replicated (DDP) model saved from one rank, pass collective=False"
         ) from None
+
+
+#: The one-time warning of :func:`collective_kind` (once per process, not per save).
+LIGHT_UNDER_GROUP = (
+    "light saves under a process group are written as full checkpoints (SaveInfo.kind "
+    "and the save event say 'full'; this warning is shown once per process): a light "
+    "checkpoint is built by one process, as deltas against a full checkpoint it reads "
+    "whole. Light checkpoints need one process; under a group, ask for full saves"
+)
+_light_warned = False
+
+
+def collective_kind(kind: str) -> str:
+    """The kind a save of ``kind`` is written as under a process group: a light save is
+    written full (a one-time RuntimeWarning says why), every other kind as asked.
+
+    The one rule of every collective entry point (``stepvault.save`` and the manager):
+    refusing would stop a training job whose save policy emits light saves.
+    """
+    global _light_warned
+    if kind != "light":
+        return kind
+    if not _light_warned:
+        _light_warned = True
+        warnings.warn(LIGHT_UNDER_GROUP, RuntimeWarning, stacklevel=3)
+    return "full"
 
 
 def save_state(

@@ -194,6 +194,93 @@ def _fqn_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, nat
     return {"state": state, "param_groups": groups}
 
 
+class _StateDictView(torch.nn.Module):
+    """A module whose ``state_dict()`` is the given one: what :func:`validate` compares
+    with when the live module is wrapped (DDP's ``module.`` prefix, FSDP2's DTensors)."""
+
+    def __init__(self, view: dict[str, Any]) -> None:
+        super().__init__()
+        self._view = view
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self._view
+
+
+def full_checkpoint_problems(
+    state: Mapping[str, Any],
+    saved: Mapping[str, Any],
+    kinds: Mapping[str, str],
+    *,
+    strict: bool = True,
+) -> list[str]:
+    """Every reason the single-process checkpoint tree ``saved`` (meta tensors are enough)
+    cannot restore the live ``state`` of this rank; empty when it fits.
+
+    Modules are compared by DCP's parameter names on both sides (``get_model_state_dict``
+    live; DDP's ``module.`` and compile's ``_orig_mod.`` prefixes dropped from the saved
+    names), so a checkpoint fits the wrapped live copy of its model, and an FSDP2 DTensor
+    by its global shape. With ``strict`` every live entry, and every key of a live module,
+    must be in the checkpoint. Entries only the checkpoint has are not loaded, as in a
+    DCP load.
+    """
+    from ..state.apply import validate
+
+    view: dict[str, Any] = {}
+    wanted: dict[str, Any] = {}
+    for key, obj in state.items():
+        view[key] = obj
+        if key not in saved:
+            continue
+        wanted[key] = saved[key]
+        if isinstance(obj, torch.nn.Module):
+            view[key] = _StateDictView(get_model_state_dict(obj))
+            if isinstance(saved[key], Mapping):
+                wanted[key] = {_unwrapped_name(k): v for k, v in saved[key].items()}
+    return validate(view, wanted, dict(kinds), strict=strict)
+
+
+def _unwrapped_name(name: str) -> str:
+    """``name`` without the wrappers' prefixes (DDP's ``module.``, compile's ``_orig_mod.``),
+    as DCP names a parameter."""
+    while name.startswith(("module.", "_orig_mod.")):
+        name = name.partition(".")[2]
+    return name
+
+
+def _read_checked(
+    store: Any, state: Mapping[str, Any], run: str, step: int, workers: int | None
+) -> tuple[Any, dict[str, Any]]:
+    """``run@step`` checked against the live state before a byte is read (a mismatch is a
+    :class:`StateMismatchError`, nothing changed), then read whole and verified."""
+    from ..engine import CheckpointReader
+    from ..errors import ManifestError, StateMismatchError
+    from ..format import decode_value, parse_manifest
+
+    manifest = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
+    reader = CheckpointReader(store, manifest, workers=workers)
+
+    def entry(kind: str, name: str) -> None:
+        stored = manifest.tensors.get(name)
+        if stored is None or stored.kind != kind:
+            raise ManifestError(f"{run}@{step}: state references unknown {kind} {name!r}")
+
+    def stand_in(kind: str, name: str) -> Any:
+        entry(kind, name)
+        return reader.meta(name)
+
+    meta = decode_value(manifest.state, stand_in)
+    problems = full_checkpoint_problems(state, meta, manifest.state_kinds)
+    if problems:
+        raise StateMismatchError(problems)
+    arrays = reader.read_all()  # every object verified before any is returned
+
+    def stored(kind: str, name: str) -> Any:
+        entry(kind, name)
+        return arrays[name]
+
+    return manifest, decode_value(manifest.state, stored)
+
+
 def restore_full_checkpoint(
     store,
     state: MutableMapping[str, Any],
@@ -203,16 +290,17 @@ def restore_full_checkpoint(
     workers: int | None = None,
     loaded: tuple[Any, dict[str, Any]] | None = None,
 ) -> None:
-    """Load a single-process checkpoint on every rank: read it whole (verified), then let
+    """Load a single-process checkpoint on every rank: check it against the live state
+    (:func:`full_checkpoint_problems`; a mismatch raises :class:`StateMismatchError` with
+    nothing read or changed), read it whole (verified), then let
     ``set_state_dict(full_state_dict=True)`` keep each rank's shards. ``loaded``: its
     ``(manifest, tree)`` already read, verified and checked (the restore planner's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from ..engine.load import load_verified
     from ..state.apply import apply
 
     if loaded is None:
-        _manifest, tree, _ = load_verified(store, run, step, workers=workers)
+        _manifest, tree = _read_checked(store, state, run, step, workers)
     else:
         _manifest, tree = loaded
     pairs = _pairs(state)

@@ -3,7 +3,9 @@
 Every rank writes the items of its save plan as content-addressed, checksummed objects
 (replicated tensors are written once: DCP deduplicates the plans, and identical bytes are
 one object anyway). Only the coordinator commits, after every rank reported success: the
-manifest holds DCP's metadata as plain JSON (no pickle) in its ``sharded`` section.
+manifest holds DCP's metadata as plain JSON (no pickle) in its ``sharded`` section, and
+the commit is the one every save runs (``catalog/commit.py``: delta bases listed, the
+atomic commit, the summary row).
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .._env import environment
+from ..catalog.commit import commit_checkpoint
 from ..engine import CheckpointReader, to_host, write_objects
+from ..engine.parent import find_parent, remember_commit
 from ..errors import ManifestError, StepvaultError
-from ..format import Manifest, ObjectEntry, parse_manifest, serialize_manifest
+from ..format import Manifest, ObjectEntry, parse_manifest
 from ..format.encoding import torch_dtype, torch_dtype_name
 from ..format.manifest import TensorEntry
 from ..store import Store, validate_run_name, validate_step
@@ -192,8 +196,9 @@ class StepvaultWriter(StorageWriter):
                 },
             },
         )
-        earlier = [s for s in self.store.list_steps(self.run) if s < self.step]
-        manifest.parent_step = earlier[-1] if earlier else None
+        # The parent as write_manifest finds it: this process's last commit of the run
+        # (the coordinator commits every collective save), else one listing.
+        manifest.parent_step, _ = find_parent(self.store, self.run, self.step)
         manifest.stats = {
             "logical_bytes": manifest.logical_bytes,
             "stored_bytes": manifest.stored_bytes,
@@ -204,9 +209,9 @@ class StepvaultWriter(StorageWriter):
         self.store.ensure_run(
             self.run, {"run": self.run, "created": manifest.created, "environment": environment()}
         )
-        self.store.commit_manifest(
-            self.run, self.step, serialize_manifest(manifest), overwrite=self.overwrite
-        )
+        # The same epilogue as every other save: delta bases listed, commit, summary row.
+        commit_checkpoint(self.store, manifest, overwrite=self.overwrite)
+        remember_commit(self.store, manifest)  # the next collective save's parent
 
 
 def _world_size() -> int:

@@ -258,9 +258,12 @@ class CollectiveWriter:
             )
         background = background and self.async_saver is not None
         t0 = time.perf_counter()
-        kind = decision.kind
-        if kind == "light":  # light deltas are built by one process: a sharded save is full
-            kind = "full"
+        from ..distributed.api import collective_kind
+
+        # stepvault.save's rule too: a light save under a group is written full (warned once;
+        # the handle, SaveInfo and the save event say "full").
+        kind = collective_kind(decision.kind)
+        if kind != decision.kind:
             s.event("light_as_full", step=step, reason="multi-rank saves are always full")
         part = weights_only(state) if kind == "weights" else state
         rank_mem, rank_staged, disk = getattr(self, "mem", None), None, True

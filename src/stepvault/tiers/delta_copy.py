@@ -21,46 +21,18 @@ import json
 import threading
 from typing import Any
 
+from ..catalog.commit import object_entry, read_header
 from ..engine import fetch_object
 from ..errors import StepvaultError
 from ..format import parse_manifest
 from ..format.manifest import Manifest, ObjectEntry
-from ..format.objects import EncodedObject, frame_object, parse_header
+from ..format.objects import EncodedObject, frame_object
 from ..format.xor_codec import XOR_ID, chain_of, encode_xor
 from ..store import Store
 
 #: Written into a store before its first delta object: byte-for-byte copies into such a
 #: store check whether an object they reuse is a delta (and list its bases).
 DELTA_MARKER = "deltas.json"
-_HEAD = 16384  # an object's prefix + header: a chain of 64 hashes and a stream table fit
-
-
-def read_header(store: Store, digest: str) -> Any:
-    """The parsed header of ``digest`` in ``store`` (one ranged read)."""
-    return parse_header(store.backend.read_range(store.object_key(digest), 0, _HEAD))
-
-
-def object_entry(store: Store, digest: str) -> ObjectEntry:
-    """The manifest table entry of an object as ``store`` holds it."""
-    head = read_header(store, digest)
-    return ObjectEntry(head.codec, store.object_size(digest), head.raw_size)
-
-
-def list_delta_bases(store: Store, manifest: Manifest) -> None:
-    """Add to ``manifest``'s object table the base chain of every delta object it names.
-
-    A save straight into a store that holds deltas (a cold tier written to directly)
-    reuses them by content hash like any object; listing their bases is what makes GC
-    keep those bases. The writer knows each reused object's codec (from the parent's table
-    or the object's header), so a store without deltas costs nothing here.
-    """
-    for digest, entry in list(manifest.objects.items()):
-        if entry.codec != XOR_ID:
-            continue
-        for h in chain_of(read_header(store, digest).params):
-            if h not in manifest.objects:
-                manifest.objects[h] = object_entry(store, h)
-                store.touch_object(h)  # in use again: GC's grace period covers the save
 
 
 def _previous(dst: Store, run: str, step: int) -> Manifest | None:
