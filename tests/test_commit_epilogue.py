@@ -133,8 +133,10 @@ def test_a_full_checkpoint_restored_under_a_group_refuses_a_state_it_does_not_fi
     opt.step()
     # A single-process checkpoint (the ordinary format), restored on 2 FSDP2 ranks into a
     # wrong shape, a live entry it lacks and a module key it lacks: refused every time,
-    # through stepvault.restore and restore_full_checkpoint, live tensors unchanged.
+    # through stepvault.restore and restore_full_checkpoint, live tensors unchanged; then
+    # a state that fits is restored (every rank's shards equal the saved tensors).
     stepvault.save(
         tmp_path / "store", {"model": model, "optimizer": opt, "step": 3}, run="f", step=3
     )
+    torch.save(model.state_dict(), tmp_path / "expected.pt")
     _spawn(2, "restore_mismatched_full", tmp_path / "store", tmp_path / "out")
