@@ -324,7 +324,7 @@ def test_a_run_without_a_measured_save_names_the_option(tmp_path):
     ("options", "match"),
     [
         ({"mtbf": 0}, "--mtbf"),
-        ({"mtbf": "-3h"}, "--mtbf must be a positive"),
+        ({"mtbf": "-3h"}, "--mtbf must not be negative"),
         ({"mtbf": None}, "--mtbf 24h, or --nodes"),
         ({"save_cost": 0}, "--save-cost"),
         ({"step_time": "0s"}, "--step-time"),

@@ -172,8 +172,9 @@ def test_latest_is_the_newest_full_checkpoint_everywhere(tmp_path):
     assert stepvault.ops.resolve_ref(vault.store, "r@3") == ("r", 3)
     with stepvault.ops.hold(tmp_path, "r@latest", ttl=60, owner="t") as held:
         assert held.record.step == 2  # was 4
-    from stepvault.cli.main import app
     from typer.testing import CliRunner
+
+    from stepvault.cli.main import app
 
     out = CliRunner().invoke(app, ["--root", str(tmp_path), "hold", "r@latest", "--json"])
     assert out.exit_code == 0, out.output

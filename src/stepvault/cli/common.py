@@ -6,13 +6,15 @@ Command groups live in their own modules (``cli/<topic>.py``) and register on :d
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import sys
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+
+from .._units import format_time, parse_duration
+from .._units import human_bytes as human_bytes  # the commands import it from here
 
 app = typer.Typer(
     help="stepvault: content-addressed, verified, pickle-free training checkpoints.",
@@ -58,17 +60,16 @@ def _root(root: str | None) -> str:
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
 
 
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+_time = format_time  # the commands' name for it (stepvault._units)
 
 
-def _time(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "?"
+def duration_option(option: str, text: str) -> float:
+    """Seconds in a duration option (``90s``, ``30m``, ``12h``, ``7d``, ``2w``; see
+    :func:`stepvault._units.parse_duration`); a usage error naming ``option`` otherwise."""
+    try:
+        return parse_duration(option, text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _emit_json(obj: Any) -> None:

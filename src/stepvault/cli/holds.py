@@ -12,7 +12,17 @@ from ..catalog.events import log_event
 from ..catalog.refs import parse_ref, resolve_ref
 from ..errors import StepvaultError
 from ..store import Store
-from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, _time, app, console
+from .common import (
+    JsonOpt,
+    RootOpt,
+    _emit_json,
+    _fail,
+    _root,
+    _time,
+    app,
+    console,
+    duration_option,
+)
 
 
 def _ref(ref: str, store: Store, verb: str) -> tuple[str, int]:
@@ -35,13 +45,12 @@ def hold_cmd(
     """Hold a checkpoint for a reader: keep policies, thinning, tier eviction and GC skip it
     until `stepvault release` or the TTL runs out."""
     from ..store.reader_holds import acquire_hold
-    from .main import _parse_duration
 
     try:
         store = Store.open(_root(root))
         run, step = _ref(ref, store, "hold")
         held = acquire_hold(
-            store, run, step, ttl=_parse_duration(ttl), owner=owner, tie_to_process=False
+            store, run, step, ttl=duration_option("--ttl", ttl), owner=owner, tie_to_process=False
         )
         log_event(store, run, "hold", step=step, owner=owner, token=held.record.token)
     except (StepvaultError, ValueError, OSError) as exc:

@@ -10,7 +10,6 @@ in one go, which is as fast as ``--json``.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from typing import Any
 
 from rich.table import Table
 
+from .._units import parse_duration
 from .common import _emit_json, _time, console, err_console, human_bytes
 from .light import light_mark
 
@@ -25,8 +25,6 @@ from .light import light_mark
 DEFAULT_LIMIT = 50
 #: Above this many rows, plain lines are printed even on a terminal (a Table is slow).
 TABLE_MAX = 200
-_DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd])$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_since(text: str | None) -> tuple[int | None, float | None]:
@@ -36,10 +34,12 @@ def parse_since(text: str | None) -> tuple[int | None, float | None]:
     text = text.strip()
     if text.isascii() and text.isdigit() and len(text) <= 18:
         return int(text), None
-    m = _DURATION.match(text)
-    if m:
-        return None, float(m.group(1)) * _UNITS[m.group(2)]
-    raise ValueError(f"bad --since {text!r}: a step (e.g. 1200) or a duration (90s, 30m, 12h, 7d)")
+    try:
+        return None, parse_duration("--since", text)
+    except ValueError:
+        raise ValueError(
+            f"bad --since {text!r}: a step (e.g. 1200) or a duration (90s, 30m, 12h, 7d)"
+        ) from None
 
 
 def select_steps(

@@ -28,6 +28,7 @@ from .common import (
     _time,
     app,
     console,
+    duration_option,
     human_bytes,
 )
 from .progress import progress_bars
@@ -384,17 +385,6 @@ def import_dcp_cmd(
     return None
 
 
-def _parse_duration(text: str) -> float:
-    """'90s', '30m', '12h', '7d' -> seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    try:
-        if text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
-    except (ValueError, IndexError):
-        raise typer.BadParameter(f"bad duration {text!r}; use e.g. 90s, 30m, 12h, 7d") from None
-
-
 @app.command("gc")
 def gc_cmd(
     run: Annotated[
@@ -434,12 +424,12 @@ def gc_cmd(
     if keep_every is not None:
         rules.append(KeepEvery(steps=keep_every))
     if keep_within is not None:
-        rules.append(KeepWithin(seconds=_parse_duration(keep_within)))
+        rules.append(KeepWithin(seconds=duration_option("--keep-within", keep_within)))
     if thin_after is not None or thin_after_steps is not None:
         from ..policy import ThinAfter
 
         if thin_after is not None:
-            rules.append(ThinAfter(days=_parse_duration(thin_after) / 86400))
+            rules.append(ThinAfter(days=duration_option("--thin-after", thin_after) / 86400))
         if thin_after_steps is not None:
             rules.append(ThinAfter(steps=thin_after_steps))
     keep: KeepPolicy | None = None
@@ -455,7 +445,7 @@ def gc_cmd(
                 run=run,
                 keep=keep,
                 dry_run=dry_run,
-                grace_seconds=_parse_duration(grace),
+                grace_seconds=duration_option("--grace", grace),
                 progress=bars.task("gc: objects examined"),
             )
     except (StepvaultError, ValueError) as exc:

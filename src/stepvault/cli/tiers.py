@@ -10,7 +10,17 @@ import typer
 from rich.table import Table
 
 from ..errors import StepvaultError
-from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
+from .common import (
+    JsonOpt,
+    RootOpt,
+    _emit_json,
+    _fail,
+    _root,
+    app,
+    console,
+    duration_option,
+    human_bytes,
+)
 from .progress import progress_bars
 
 tiers_app = typer.Typer(
@@ -60,7 +70,8 @@ def tier_cmd(
         elif isinstance(step, int):  # parse_ref gives an int, "latest" or None
             steps = [step]
         if older_than is not None:
-            steps = _saved_before(hot, run, steps, time.time() - parse_duration(older_than))
+            cutoff = time.time() - duration_option("--older-than", older_than)
+            steps = _saved_before(hot, run, steps, cutoff)
             if not steps:
                 raise StepvaultError(
                     f"run {run!r} has no checkpoint in the hot store older than {older_than}"
@@ -114,24 +125,6 @@ def tier_cmd(
         )
     console.print(table)
     return None
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``90s``, ``30m``, ``6h``, ``2d`` (a bare number is seconds)."""
-    units = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-    t = text.strip().lower()
-    scale = units.get(t[-1:])
-    number = t[:-1] if scale is not None else t
-    try:
-        value = float(number) * (scale or 1.0)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 and value != float("inf")):
-        raise StepvaultError(
-            f"--older-than {text!r} is not a duration: write a number with s, m, h or d "
-            "(e.g. 90s, 30m, 6h, 2d)"
-        )
-    return value
 
 
 def _saved_before(hot: Any, run: str, steps: list[int], cutoff: float) -> list[int]:

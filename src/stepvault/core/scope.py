@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from ..errors import StepvaultError
 
 
@@ -28,9 +26,3 @@ def is_collective(state: Mapping[str, Any], collective: bool | None) -> bool:
             )
         return False
     return bool(collective) or sharded or distributed_active()
-
-
-def current_rank() -> int:
-    """This process's rank in the default group (0 without one)."""
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from .._env import environment
+from .._rank import current_rank
 from ..catalog import commit as epilogue
 from ..catalog.attachments import add_attachments
 from ..catalog.lineage import Lineage, write_lineage
@@ -27,7 +28,7 @@ from ..store import Store, validate_run_name, validate_step
 from ..store.signing import Signer
 from .info import SaveInfo
 from .light import LightOptions
-from .scope import current_rank, is_collective
+from .scope import is_collective
 from .values import encode_metadata, encode_metrics
 
 Root = str | os.PathLike[str]

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from .._rank import current_rank
 from ..errors import StepvaultError
 from ..state.capture import is_stateful
 from ..state.rng import RNGState
@@ -45,10 +46,6 @@ def has_dtensor(value: Any) -> bool:
     if isinstance(value, Mapping):
         return any(has_dtensor(v) for v in value.values())
     return False
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _pairs(state: Mapping[str, Any]) -> dict[str, str]:
@@ -117,7 +114,7 @@ def _to_dcp(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
                     kinds[opt_key] = "optimizer"
             kinds[key] = "module"
         elif isinstance(obj, RNGState):
-            out[key] = {f"rank{_rank()}": obj.state_dict()}
+            out[key] = {f"rank{current_rank()}": obj.state_dict()}
             kinds[key] = "rng"
         elif is_stateful(obj):
             out[key] = obj.state_dict()
@@ -154,10 +151,10 @@ def apply_dcp(state: MutableMapping[str, Any], loaded: dict[str, Any], kinds: di
                         obj, state[opt_key], model_state_dict={}, optim_state_dict=loaded[opt_key]
                     )
         elif kind == "rng":
-            mine = loaded.get(key, {}).get(f"rank{_rank()}")
+            mine = loaded.get(key, {}).get(f"rank{current_rank()}")
             if mine is None:
                 warnings.warn(
-                    f"state[{key!r}]: no RNG state for rank {_rank()} in the checkpoint "
+                    f"state[{key!r}]: no RNG state for rank {current_rank()} in the checkpoint "
                     "(saved with another world size); RNGs keep their current state",
                     RuntimeWarning,
                     stacklevel=3,

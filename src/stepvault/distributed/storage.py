@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .._env import environment
+from .._rank import world_size
 from ..catalog.commit import commit_checkpoint
 from ..engine import CheckpointReader, to_host, write_objects
 from ..engine.parent import find_parent, remember_commit
@@ -185,7 +186,7 @@ class StepvaultWriter(StorageWriter):
             kind="full",
             metrics=self.metrics,
             metadata=self.metadata,
-            environment={**environment(), "world_size": _world_size()},
+            environment={**environment(), "world_size": world_size()},
             objects=objects,
             lineage=self.lineage,
             sharded={
@@ -212,12 +213,6 @@ class StepvaultWriter(StorageWriter):
         # The same epilogue as every other save: delta bases listed, commit, summary row.
         commit_checkpoint(self.store, manifest, overwrite=self.overwrite)
         remember_commit(self.store, manifest)  # the next collective save's parent
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def sharded_metadata(manifest: Manifest) -> Metadata:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from .._rank import rank_and_world
 from ..catalog import checkpoint_records
 from ..core.info import RestoreInfo
 from ..core.planner import Source, restore_local
@@ -107,14 +108,6 @@ def has_full_checkpoint(root: str | os.PathLike[str] | Store, run: str) -> bool:
 # the checkpoint there only; the other ranks never touch the store on save. What differs
 # between ranks is their RNG state: it is gathered to rank 0 and stored as a list, one entry
 # per rank (plain values and tensors: the safe encoding, never a pickle in the store).
-
-
-def rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group; ``(0, 1)`` without one."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def gather_rng_states() -> list[dict[str, Any]]:

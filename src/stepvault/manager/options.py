@@ -4,10 +4,10 @@ background writer)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
+from .._units import parse_size
 from ..core.light import LightOptions
 from ..core.write import check_codec
 from ..engine.gc import DEFAULT_GRACE_SECONDS
@@ -21,25 +21,6 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         allowed = " or ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-
-
-def parse_size(name: str, value: object) -> int:
-    """Bytes from an int or a size such as ``"8GB"`` (10^9), ``"512MiB"`` (2^20), ``"1.5 GB"``."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        m = _SIZE.fullmatch(value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(
-        f"{name} must be a number of bytes or a size such as '8GB', '512MiB' or '1.5GiB', "
-        f"got {value!r}"
-    )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._units import parse_size
 from ..catalog.events import log_event
 from ..catalog.reader_holds import holding
 from ..catalog.vault import Vault
@@ -146,19 +147,6 @@ def dequantize_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def parse_size(text: str | int) -> int:
-    """'5GB', '500MB', '2GiB', or a number of bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"bad size {text!r}; use e.g. 5GB, 500MB, 2GiB")
-    unit = (m.group(2) or "B").upper()
-    base = 1024 if "I" in unit else 1000
-    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
-    return int(float(m.group(1)) * base**power)
-
-
 def export_weights(
     store: Store,
     ref_run: str,
@@ -240,7 +228,7 @@ def _export(
         raise StepvaultError("export needs safetensors: pip install 'stepvault[export]'") from exc
     target = torch_dtype(dtype) if dtype else None
     pattern = re.compile(include) if include else None
-    limit = parse_size(max_shard_size)
+    limit = parse_size("max_shard_size", max_shard_size)
     vault = Vault(store)
     report = ExportReport(cast=dtype)
     errors: dict[str, dict[str, float]] = {}

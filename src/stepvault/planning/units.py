@@ -7,8 +7,8 @@ accepts, so a typo never turns into a silently wrong plan.
 from __future__ import annotations
 
 import math
-import re
 
+from .. import _units as units
 from ..errors import PlanError
 
 __all__ = [
@@ -22,30 +22,6 @@ __all__ = [
 
 #: A billing month as the large clouds count it (730 h = 8760 h / 12).
 HOURS_PER_MONTH = 730.0
-
-_DURATION_UNITS = {
-    "s": 1.0,
-    "sec": 1.0,
-    "m": 60.0,
-    "min": 60.0,
-    "h": 3600.0,
-    "d": 86400.0,
-    "w": 7 * 86400.0,
-    "y": 365 * 86400.0,
-}
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_NUMBER = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 
 
 def positive(option: str, value: float, *, zero_ok: bool = False) -> float:
@@ -61,24 +37,27 @@ def positive(option: str, value: float, *, zero_ok: bool = False) -> float:
 
 
 def parse_duration(option: str, text: str | float, *, zero_ok: bool = False) -> float:
-    """``"90s"``, ``"30m"``, ``"24h"``, ``"7d"``, ``"2w"``, ``"5y"`` or plain seconds -> seconds."""
+    """``"90s"``, ``"30m"``, ``"24h"``, ``"7d"``, ``"2w"``, ``"5y"`` or plain seconds -> seconds
+    (:func:`stepvault._units.parse_duration`), > 0 unless ``zero_ok``."""
     if not isinstance(text, str):
         return positive(option, text, zero_ok=zero_ok)
-    match = re.fullmatch(_NUMBER + r"\s*([a-z]*)", text.strip().lower())
-    if match is None or match.group(2) not in ("", *_DURATION_UNITS):
-        raise PlanError(f"{option}: bad duration {text!r}; use e.g. 90s, 30m, 24h, 7d, 5y")
-    seconds = float(match.group(1)) * _DURATION_UNITS.get(match.group(2), 1.0)
+    try:
+        seconds = units.parse_duration(option, text)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
     return positive(option, seconds, zero_ok=zero_ok)
 
 
 def parse_size(option: str, text: str | int) -> int:
-    """``"14GB"`` (10^9), ``"1.5GiB"`` (2^30), ``"300MB"`` or plain bytes -> bytes (> 0)."""
+    """``"14GB"`` (10^9), ``"1.5GiB"`` (2^30), ``"300MB"`` or plain bytes -> bytes (> 0)
+    (:func:`stepvault._units.parse_size`)."""
     if not isinstance(text, str):
         return int(positive(option, text))
-    match = re.fullmatch(_NUMBER + r"\s*([a-z]*)", text.strip().lower())
-    if match is None or match.group(2) not in _SIZE_UNITS:
-        raise PlanError(f"{option}: bad size {text!r}; use e.g. 300MB, 14GB, 1.5GiB or bytes")
-    return int(positive(option, float(match.group(1)) * _SIZE_UNITS[match.group(2)]))
+    try:
+        size = units.parse_size(option, text)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    return int(positive(option, size))
 
 
 def parse_price(text: str) -> tuple[str, float]:
@@ -104,4 +83,4 @@ def parse_price(text: str) -> tuple[str, float]:
     except ValueError:
         raise PlanError(f"--price {text!r}: {amount!r} is not a number") from None
     dollars = positive(f"--price {tier}", dollars, zero_ok=True)
-    return tier, dollars * 10**9 / _SIZE_UNITS[unit]  # normalised to 10^9-byte GB
+    return tier, dollars * 10**9 / units.SIZE_UNITS[unit]  # normalised to 10^9-byte GB

@@ -16,7 +16,7 @@ URL parts reach the store only through its validators (run names, steps).
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
+import functools
 import json
 import time
 from pathlib import Path
@@ -30,8 +30,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from ..errors import CheckpointNotFoundError, InvalidNameError, StepvaultError
-from ..registry import RegistryError
+from .._units import format_time, human_bytes
+from ..errors import CheckpointNotFoundError, InvalidNameError, RegistryError, StepvaultError
 from . import data
 from .actions import ACTION_HEADER, ACTIONS
 from .security import GuardMiddleware
@@ -47,28 +47,11 @@ MEMO_ENTRIES = 64
 MEMO_SECONDS = 30.0
 
 
-def human_bytes(n: float | None) -> str:
-    """1536 -> '1.5 KiB' (as the CLI prints sizes)."""
-    if n is None:
-        return ""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def when(ts: float | None) -> str:
-    if not ts:
-        return ""
-    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-
 def _templates() -> Jinja2Templates:
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     env = templates.env
     env.filters["bytes"] = human_bytes
-    env.filters["when"] = when
+    env.filters["when"] = functools.partial(format_time, missing="")
     env.filters["num"] = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else v)
     env.globals["json"] = lambda v: json.dumps(v, sort_keys=True, default=str)
     return templates
