@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 import stepvault
@@ -54,6 +57,46 @@ def flip_byte(path, at: int = -1) -> None:
         b = f.read(1)
         f.seek(at, os.SEEK_END)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+# ------------------------------------------------------------- ranks in new processes
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (a rendezvous, a server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(
+    run: Callable[..., None],
+    world: int,
+    task: str,
+    store: Path,
+    out: Path,
+    *extra: str,
+    killed: bool = False,
+) -> None:
+    """Run ``run(rank, world, port, task, store, out, *extra)`` on ``world`` spawned
+    processes (a ``*_workers.run``: it joins a gloo group on ``port`` and writes ``ok`` or
+    its traceback to ``out/rank<r>.txt``). Fails with a rank's whole traceback unless every
+    rank wrote ``ok``. ``killed``: each rank SIGKILLs itself after reporting (a lost node),
+    so the processes must end killed."""
+    import torch.multiprocessing as mp
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("rank*.txt"):  # a rank that reports nothing fails, never a stale "ok"
+        f.unlink()
+    kwargs = {"nprocs": world, "join": True, "start_method": "spawn"}
+    args = (world, free_port(), task, str(store), str(out), *extra)
+    if killed:
+        with pytest.raises(mp.ProcessExitedException):
+            mp.start_processes(run, args=args, **kwargs)
+    else:
+        mp.start_processes(run, args=args, **kwargs)
+    for rank in range(world):
+        result = (out / f"rank{rank}.txt").read_text()
+        if result != "ok":  # the whole traceback of the rank, not a truncated diff
+            pytest.fail(f"rank {rank} of {world} ({task}):\n{result}", pytrace=False)
 
 
 # ------------------------------------------------------------ the CLI in a new process

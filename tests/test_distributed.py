@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import dist_workers
@@ -11,30 +10,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from helpers import free_port, spawn_ranks
 
 import stepvault
 import stepvault.distributed as sd
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, task: str, root: Path, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        dist_workers.run,
-        args=(world, _port(), task, str(root), str(out)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-    for rank in range(world):
-        result = (out / f"rank{rank}.txt").read_text()
-        if result != "ok":  # the whole traceback of the rank, not a truncated diff
-            pytest.fail(f"rank {rank} of {world} ({task}):\n{result}", pytrace=False)
+    """``dist_workers``' ``task`` on ``world`` gloo ranks (helpers.spawn_ranks)."""
+    spawn_ranks(dist_workers.run, world, task, root, out)
 
 
 def _plain_state(zeros: bool = True) -> dict:
@@ -261,7 +245,7 @@ def test_a_killed_rank_commits_nothing(tmp_path):
     with pytest.raises(mp.ProcessExitedException):
         mp.start_processes(
             dist_workers.run,
-            args=(2, _port(), "rank1_killed_mid_save", str(tmp_path / "store"), str(out)),
+            args=(2, free_port(), "rank1_killed_mid_save", str(tmp_path / "store"), str(out)),
             nprocs=2,
             join=True,
             start_method="spawn",

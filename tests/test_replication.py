@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import replication_workers
 import torch.multiprocessing as mp
+from helpers import free_port, spawn_ranks
 
 import stepvault
 from stepvault.catalog.events import read_events
@@ -26,29 +26,9 @@ from stepvault.format import parse_manifest
 from stepvault.store import Store
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, task: str, mem: Path, out: Path, arg: str = "") -> None:
     """Run ``task`` on ``world`` ranks; each rank reports, then SIGKILLs itself."""
-    out.mkdir(parents=True, exist_ok=True)
-    for f in out.glob("rank*.txt"):
-        f.unlink()
-    with pytest.raises(mp.ProcessExitedException):
-        mp.start_processes(
-            replication_workers.run,
-            args=(world, _port(), task, str(mem), str(out), arg),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
-    for rank in range(world):
-        result = (out / f"rank{rank}.txt").read_text()
-        if result != "ok":
-            pytest.fail(f"rank {rank} of {world} ({task}):\n{result}", pytrace=False)
+    spawn_ranks(replication_workers.run, world, task, mem, out, arg, killed=True)
 
 
 def _peer(mem: Path, holder_node: str, source_node: str, local: int) -> Store:
@@ -141,7 +121,7 @@ def test_killed_during_replication_leaves_no_partial_replica(tmp_path):
         out.mkdir()
         ctx = mp.start_processes(
             replication_workers.run,
-            args=(2, _port(), "replicate_loop", str(mem), str(out), str(8 << 20)),
+            args=(2, free_port(), "replicate_loop", str(mem), str(out), str(8 << 20)),
             nprocs=2,
             join=False,
             start_method="spawn",

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
+from helpers import free_port
 from starlette.testclient import TestClient
 from ui_util import BROKEN, EVERY, RUN, STEPS, make_trained_store, tree_state
 
@@ -358,14 +358,8 @@ def test_core_does_not_import_the_web_stack():
     assert out.stdout.strip() == "[]", out.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_stepvault_ui_serves_on_loopback(trained):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*UI_CMD, "--root", str(trained), "--port", str(port)],
         stdout=subprocess.PIPE,

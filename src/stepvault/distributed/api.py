@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .._rank import current_rank, world_size
 from ..errors import (
     CheckpointNotFoundError,
     CorruptObjectError,
@@ -30,10 +29,14 @@ from .state import apply_dcp, to_dcp
 from .storage import StepvaultReader, StepvaultWriter
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _store(root: str | os.PathLike[str] | Store, create: bool) -> Store:
     if isinstance(root, Store):
         return root
-    if create and current_rank() == 0:
+    if create and _rank() == 0:
         Store.open(root, create=True, defaults=DEFAULT_STORE_SETTINGS)
     if create and dist.is_initialized():
         dist.barrier()  # the store exists before any other rank opens it
@@ -139,9 +142,13 @@ def _mismatch(exc: BaseException) -> StateMismatchError | None:
 # places a byte, so every rank falls back together and none changes its state alone.
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _share(value: Any) -> Any:
     """Rank 0's ``value`` on every rank (the value itself without a process group)."""
-    if world_size() == 1:
+    if _world() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -173,7 +180,7 @@ def share_offer(store: Store, run: str, choose: Callable[[], tuple[list[int], bo
     on every rank (no rank is left waiting)."""
     payload: tuple[Any, ...] | None = None
     error: BaseException | None = None
-    if current_rank() == 0:
+    if _rank() == 0:
         try:
             steps, fallback = choose()
             first = _manifest_bytes(store, run, steps[0]) if steps else None
@@ -213,14 +220,12 @@ def try_candidates(
     data = offer.first
     for i, candidate in enumerate(offer.steps):
         if i:  # a fallback: the next candidate's manifest, shared the same way
-            data = _share(_manifest_bytes(store, run, candidate) if current_rank() == 0 else None)
+            data = _share(_manifest_bytes(store, run, candidate) if _rank() == 0 else None)
         try:
             if isinstance(data, str) or data is None:
                 raise ManifestError(f"{run}@{candidate}: {data or 'no manifest'}")
             manifest = (
-                data
-                if isinstance(data, Manifest)
-                else parse_manifest(data, f"{run}@{candidate}")
+                data if isinstance(data, Manifest) else parse_manifest(data, f"{run}@{candidate}")
             )
             attempt(candidate, manifest)
             return candidate, manifest, skipped
@@ -246,8 +251,8 @@ def agree(store: Store, damage: BaseException | None, what: str) -> None:
         store.quarantine_object(damage.digest)
     mine = None if damage is None else f"{type(damage).__name__}: {damage}"
     everyone: list[Any] = [mine]
-    if world_size() > 1:
-        everyone = [None] * world_size()
+    if _world() > 1:
+        everyone = [None] * _world()
         dist.all_gather_object(everyone, mine)
     if damage is not None:
         raise damage
@@ -524,9 +529,9 @@ def _restore_sharded(
     strict: bool,
 ) -> None:
     dcp_state, kinds = to_dcp(state)
-    targets = _Targets(store, run, dcp_state, kinds, f"rank{current_rank()}")
+    targets = _Targets(store, run, dcp_state, kinds, f"rank{_rank()}")
     targets.prune_for(manifest)
-    _agree_fits(_sharded_problems(manifest, targets), manifest, list(state))
+    _agree_fits(_sharded_problems(manifest, targets), manifest)
     _dcp_load(store, targets, run, step, manifest, workers)
     apply_dcp(state, targets, kinds)
 
@@ -549,7 +554,7 @@ def _restore_full(
 
     reader = CheckpointReader(store, manifest, workers=workers)
     meta = decode_value(manifest.state, lambda kind, name: reader.meta(name))
-    _agree_fits(_full_problems(state, meta, manifest, strict), manifest, list(state))
+    _agree_fits(_full_problems(state, meta, manifest, strict), manifest)
     damage: BaseException | None = None
     tree: dict[str, Any] = {}
     try:
@@ -561,21 +566,18 @@ def _restore_full(
     restore_full_checkpoint(store, state, run, step, workers=workers, loaded=(manifest, tree))
 
 
-def _agree_fits(problems: list[str], manifest: Manifest, keys: list[str]) -> None:
+def _agree_fits(problems: list[str], manifest: Manifest) -> None:
     """Collective: a :class:`StateMismatchError` on every rank when the checkpoint does
-    not fit the live state of any rank (no byte read yet)."""
-    mine = "\n".join(problems) or None
-    everyone = [mine]
-    if world_size() > 1:
-        everyone = [None] * world_size()
-        dist.all_gather_object(everyone, mine)
-    bad = [(r, why) for r, why in enumerate(everyone) if why]
+    not fit the live state of any rank (no byte read yet); it names that rank."""
+    everyone: list[Any] = [problems]
+    if _world() > 1:
+        everyone = [None] * _world()
+        dist.all_gather_object(everyone, problems)
+    bad = [(rank, found) for rank, found in enumerate(everyone) if found]
     if bad:
-        rank, why = bad[0]
-        raise StateMismatchError(
-            f"{manifest.run}@{manifest.step} does not fit the live state"
-            f"{f' of rank {rank}' if world_size() > 1 else ''} (nothing was changed):\n{why}"
-        )
+        rank, found = bad[0]
+        where = f"{manifest.run}@{manifest.step}" + (f" (rank {rank})" if _world() > 1 else "")
+        raise StateMismatchError([f"{where}: {problem}" for problem in found])
 
 
 def _sharded_problems(manifest: Manifest, targets: Mapping[str, Any]) -> list[str]:
@@ -589,13 +591,12 @@ def _sharded_problems(manifest: Manifest, targets: Mapping[str, Any]) -> list[st
     for fqn, value in flat.items():
         if not isinstance(value, torch.Tensor):
             continue
+        size = tuple(value.size())
         entry = entries.get(fqn)
         if entry is None:
             problems.append(f"{fqn}: not in checkpoint")
-        elif entry.get("type") == "tensor" and list(entry["size"]) != list(value.size()):
-            problems.append(
-                f"{fqn}: checkpoint has shape {tuple(entry['size'])}, live {tuple(value.size())}"
-            )
+        elif entry.get("type") == "tensor" and tuple(entry["size"]) != size:
+            problems.append(f"{fqn}: checkpoint has shape {tuple(entry['size'])}, live {size}")
     return problems
 
 
@@ -626,12 +627,13 @@ def _full_problems(
                 for name, value in (meta[key] if isinstance(meta[key], Mapping) else {}).items()
             }
             for name, tensor in get_model_state_dict(obj).items():
-                if isinstance(saved.get(name), torch.Tensor) and tuple(saved[name].shape) != tuple(
-                    tensor.size()
-                ):
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                live = tuple(tensor.size())
+                if isinstance(saved.get(name), torch.Tensor) and tuple(saved[name].shape) != live:
                     problems.append(
                         f"{key}.{name}: checkpoint has shape {tuple(saved[name].shape)}, "
-                        f"live {tuple(tensor.size())}"
+                        f"live {live}"
                     )
             continue
         rest_state[key] = obj
