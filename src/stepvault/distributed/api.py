@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from .._rank import current_rank, world_size
 from ..errors import (
     CheckpointNotFoundError,
     CorruptObjectError,
@@ -29,14 +30,10 @@ from .state import apply_dcp, to_dcp
 from .storage import StepvaultReader, StepvaultWriter
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _store(root: str | os.PathLike[str] | Store, create: bool) -> Store:
     if isinstance(root, Store):
         return root
-    if create and _rank() == 0:
+    if create and current_rank() == 0:
         Store.open(root, create=True, defaults=DEFAULT_STORE_SETTINGS)
     if create and dist.is_initialized():
         dist.barrier()  # the store exists before any other rank opens it
@@ -142,13 +139,9 @@ def _mismatch(exc: BaseException) -> StateMismatchError | None:
 # places a byte, so every rank falls back together and none changes its state alone.
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _share(value: Any) -> Any:
     """Rank 0's ``value`` on every rank (the value itself without a process group)."""
-    if _world() == 1:
+    if world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -180,7 +173,7 @@ def share_offer(store: Store, run: str, choose: Callable[[], tuple[list[int], bo
     on every rank (no rank is left waiting)."""
     payload: tuple[Any, ...] | None = None
     error: BaseException | None = None
-    if _rank() == 0:
+    if current_rank() == 0:
         try:
             steps, fallback = choose()
             first = _manifest_bytes(store, run, steps[0]) if steps else None
@@ -220,7 +213,7 @@ def try_candidates(
     data = offer.first
     for i, candidate in enumerate(offer.steps):
         if i:  # a fallback: the next candidate's manifest, shared the same way
-            data = _share(_manifest_bytes(store, run, candidate) if _rank() == 0 else None)
+            data = _share(_manifest_bytes(store, run, candidate) if current_rank() == 0 else None)
         try:
             if isinstance(data, str) or data is None:
                 raise ManifestError(f"{run}@{candidate}: {data or 'no manifest'}")
@@ -251,8 +244,8 @@ def agree(store: Store, damage: BaseException | None, what: str) -> None:
         store.quarantine_object(damage.digest)
     mine = None if damage is None else f"{type(damage).__name__}: {damage}"
     everyone: list[Any] = [mine]
-    if _world() > 1:
-        everyone = [None] * _world()
+    if world_size() > 1:
+        everyone = [None] * world_size()
         dist.all_gather_object(everyone, mine)
     if damage is not None:
         raise damage
@@ -529,7 +522,7 @@ def _restore_sharded(
     strict: bool,
 ) -> None:
     dcp_state, kinds = to_dcp(state)
-    targets = _Targets(store, run, dcp_state, kinds, f"rank{_rank()}")
+    targets = _Targets(store, run, dcp_state, kinds, f"rank{current_rank()}")
     targets.prune_for(manifest)
     _agree_fits(_sharded_problems(manifest, targets), manifest)
     _dcp_load(store, targets, run, step, manifest, workers)
@@ -570,13 +563,13 @@ def _agree_fits(problems: list[str], manifest: Manifest) -> None:
     """Collective: a :class:`StateMismatchError` on every rank when the checkpoint does
     not fit the live state of any rank (no byte read yet); it names that rank."""
     everyone: list[Any] = [problems]
-    if _world() > 1:
-        everyone = [None] * _world()
+    if world_size() > 1:
+        everyone = [None] * world_size()
         dist.all_gather_object(everyone, problems)
     bad = [(rank, found) for rank, found in enumerate(everyone) if found]
     if bad:
         rank, found = bad[0]
-        where = f"{manifest.run}@{manifest.step}" + (f" (rank {rank})" if _world() > 1 else "")
+        where = f"{manifest.run}@{manifest.step}" + (f" (rank {rank})" if world_size() > 1 else "")
         raise StateMismatchError([f"{where}: {problem}" for problem in found])
 
 
