@@ -343,3 +343,31 @@ def test_two_takeovers_at_once_leave_one_owner(tmp_path):
     assert json.loads((tmp_path / lease_key("r")).read_text())["token"] == winner
     with pytest.raises(LeaseLostError):
         stale.renew()
+
+
+def test_a_store_out_of_reach_for_a_heartbeat_warns_and_the_heartbeat_goes_on(tmp_path):
+    """A renewal that fails for a reason other than a takeover (the store briefly out of
+    reach) is a warning, not a lost lease: the heartbeat keeps renewing and saves go on."""
+    with CheckpointManager(tmp_path, "r", lease_stale_after=0.6) as mgr:
+        backend = mgr.store.backend
+        replace_if = backend.replace_if
+        failures = []
+
+        def flaky(*args, **kwargs):
+            if len(failures) < 2:
+                failures.append(1)
+                raise OSError("connection reset by peer")
+            return replace_if(*args, **kwargs)
+
+        backend.replace_if = flaky
+        deadline = time.monotonic() + 10
+        while len(failures) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the next beat renews again
+        with pytest.warns(RuntimeWarning, match="renewing the writer lease of run 'r' failed"):
+            mgr.save(1, state_of(1), force=True)
+        before = read_lease(mgr.store, "r")["heartbeat"]
+        time.sleep(0.5)
+        assert read_lease(mgr.store, "r")["heartbeat"] > before  # still renewing
+        mgr.save(2, state_of(2), force=True)
+    assert Store.open(tmp_path).list_steps("r") == [1, 2]
