@@ -43,6 +43,16 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+# -------------------------------------------------------------------------- the CLI
+def cli(root, *args: str, env: dict[str, str] | None = None):
+    """``stepvault --root <root> *args`` in this process (typer's runner); its result."""
+    from typer.testing import CliRunner
+
+    from stepvault.cli.main import app
+
+    return CliRunner().invoke(app, ["--root", str(root), *args], env=env)
+
+
 # ------------------------------------------------------------------ damaging a store
 def object_path(root, digest: str) -> str:
     """Where a local store at ``root`` keeps the object ``digest``."""

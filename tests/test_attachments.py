@@ -8,22 +8,17 @@ import os
 
 import pytest
 import torch
+from helpers import cli
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
 import stepvault
 from stepvault import CheckpointManager
 from stepvault.catalog.annotations import manifest_id
 from stepvault.catalog.attachments import checkpoint_attachments
-from stepvault.cli.main import app
 from stepvault.format.attachments import AttachmentError
 from stepvault.store import Store
 
 CONFIG = json.dumps({"hidden": 8}).encode()
-
-
-def cli(root, *args: str):
-    return CliRunner().invoke(app, ["--root", str(root), *args])
 
 
 def said(res) -> str:

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
+from helpers import cli  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
@@ -27,11 +28,9 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerFast,
     TrainingArguments,
 )
-from typer.testing import CliRunner  # noqa: E402
 
 import stepvault  # noqa: E402
 from stepvault import Every  # noqa: E402
-from stepvault.cli.main import app  # noqa: E402
 from stepvault.integrations._attachments import transformers_files  # noqa: E402
 from stepvault.integrations.transformers import StepvaultCallback, StepvaultTrainer  # noqa: E402
 
@@ -112,11 +111,6 @@ def train(root, make_model, run: str, steps: int = 4):
     )
     trainer.train()
     return model.eval(), tokenizer
-
-
-def cli(root, *args: str):
-    res = CliRunner().invoke(app, ["--root", str(root), *args])
-    return res
 
 
 class Captured(logging.Handler):

@@ -7,22 +7,12 @@ import subprocess
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from helpers import cli, linear_state
 
 import stepvault
 from stepvault import CheckpointManager, KeepBest, KeepLast
-from stepvault.cli.main import app
 from stepvault.registry import Lineage, Registry, lineage_report
 from stepvault.store import Store
-
-
-def cli(root, *args):
-    return CliRunner().invoke(app, ["--root", str(root), *args])
-
-
-def _state(seed):
-    torch.manual_seed(seed)
-    return {"model": torch.nn.Linear(8, 8), "step": seed}
 
 
 def test_lineage_of_a_fine_tune_reaches_back_to_its_base(tmp_path):
@@ -41,7 +31,7 @@ def test_lineage_of_a_fine_tune_reaches_back_to_its_base(tmp_path):
     base_cfg = {"lr": 3e-4, "layers": 2, "schedule": ("cosine", 1000)}
     base = Lineage.capture(base_cfg, data="pile-v1", code_dir=repo)
     with CheckpointManager(root, "base", lineage=base, async_save=False) as mgr:
-        mgr.save(100, _state(1))
+        mgr.save(100, linear_state(1))
     (repo / "train.py").write_text("print('changed')\n")  # uncommitted change: dirty
     ft = Lineage.capture(
         {"lr": 1e-5},
@@ -50,8 +40,8 @@ def test_lineage_of_a_fine_tune_reaches_back_to_its_base(tmp_path):
         code_dir=repo,
     )
     with CheckpointManager(root, "ft", lineage=ft) as mgr:
-        mgr.save(10, _state(2))
-        mgr.save(20, _state(3))
+        mgr.save(10, linear_state(2))
+        mgr.save(20, linear_state(3))
     Registry(root).promote("chat", "ft@20", "stable")
 
     report = lineage_report(Store.open(root), "chat@stable")
@@ -91,11 +81,11 @@ def test_lineage_of_a_fine_tune_reaches_back_to_its_base(tmp_path):
 def test_each_session_links_its_own_lineage(tmp_path):
     root = tmp_path / "s"
     with CheckpointManager(root, "r", lineage=Lineage.capture({"lr": 1})) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, linear_state(1))
     with CheckpointManager(root, "r", lineage=Lineage.capture({"lr": 2})) as mgr:
-        mgr.save(2, _state(2))
+        mgr.save(2, linear_state(2))
     with CheckpointManager(root, "r", lineage=False) as mgr:
-        mgr.save(3, _state(3))
+        mgr.save(3, linear_state(3))
     store = Store.open(root)
     configs = [
         (lineage_report(store, f"r@{s}")["checkpoint"]["lineage"] or {}).get("config")
@@ -111,27 +101,31 @@ def test_each_session_links_its_own_lineage(tmp_path):
 
 def test_parent_must_exist(tmp_path):
     with pytest.raises(stepvault.errors.CheckpointNotFoundError):
-        stepvault.save(tmp_path / "s", _state(1), run="r", step=1, lineage=Lineage(parent="nope@5"))
+        stepvault.save(
+            tmp_path / "s", linear_state(1), run="r", step=1, lineage=Lineage(parent="nope@5")
+        )
     with pytest.raises(stepvault.errors.StepvaultError, match="exact checkpoint"):
-        stepvault.save(tmp_path / "s", _state(1), run="r", step=1, lineage=Lineage(parent="nope"))
+        stepvault.save(
+            tmp_path / "s", linear_state(1), run="r", step=1, lineage=Lineage(parent="nope")
+        )
 
 
 def test_annotations_drive_best_k_and_restore_best(tmp_path):
     root = tmp_path / "s"
     keep = KeepLast(1) | KeepBest(1, metric="val_loss", mode="min")
     with CheckpointManager(root, "r", keep=keep, async_save=False) as mgr:
-        mgr.save(1, _state(1), metrics={"val_loss": 3.0})
-        mgr.save(2, _state(2), metrics={"val_loss": 4.0})
+        mgr.save(1, linear_state(1), metrics={"val_loss": 3.0})
+        mgr.save(2, linear_state(2), metrics={"val_loss": 4.0})
         assert mgr.best_step == 1
         # An evaluation job scores step 2 better than anything measured at save time.
         stepvault.ops.annotate(root, "r", 2, {"val_loss": 0.5}, note="full eval")
         assert mgr.best_step == 2
-        mgr.save(3, _state(3), metrics={"val_loss": 1.0})
+        mgr.save(3, linear_state(3), metrics={"val_loss": 1.0})
         assert Store.open(root).list_steps("r") == [2, 3]  # step 1 went, the annotated best stayed
-        restored = _state(9)
+        restored = linear_state(9)
         info = mgr.restore(restored, step="best")
         assert info.step == 2
-    assert torch.equal(restored["model"].weight, _state(2)["model"].weight)
+    assert torch.equal(restored["model"].weight, linear_state(2)["model"].weight)
     res = cli(root, "annotate", "r@3", "val_loss=0.25", "acc=0.9", "--note", "rerun")
     assert res.exit_code == 0 and "val_loss=0.25" in res.output, res.output
     with CheckpointManager(root, "r", keep=keep) as mgr:
@@ -145,9 +139,11 @@ def test_annotations_drive_best_k_and_restore_best(tmp_path):
 
 def test_annotations_do_not_carry_over_to_a_replaced_checkpoint(tmp_path):
     root = tmp_path / "s"
-    stepvault.save(root, _state(1), run="r", step=1, metrics={"val_loss": 3.0})
+    stepvault.save(root, linear_state(1), run="r", step=1, metrics={"val_loss": 3.0})
     stepvault.ops.annotate(root, "r", 1, {"val_loss": 0.1})
-    stepvault.save(root, _state(2), run="r", step=1, metrics={"val_loss": 3.0}, overwrite=True)
+    stepvault.save(
+        root, linear_state(2), run="r", step=1, metrics={"val_loss": 3.0}, overwrite=True
+    )
     from stepvault.manager.checkpoint_manager import checkpoint_records
 
     (rec,) = checkpoint_records(Store.open(root), "r")
@@ -156,7 +152,7 @@ def test_annotations_do_not_carry_over_to_a_replaced_checkpoint(tmp_path):
 
 def test_bad_annotations_are_refused(tmp_path):
     root = tmp_path / "s"
-    stepvault.save(root, _state(1), run="r", step=1)
+    stepvault.save(root, linear_state(1), run="r", step=1)
     for bad in (["val_loss"], ["val_loss=abc"], ["=1"]):
         res = cli(root, "annotate", "r@1", *bad)
         assert res.exit_code == 2
@@ -170,7 +166,7 @@ def test_bad_annotations_are_refused(tmp_path):
 
 def test_listings_show_annotated_metrics(tmp_path):
     root = tmp_path / "s"
-    stepvault.save(root, _state(1), run="r", step=1, metrics={"loss": 2.0})
+    stepvault.save(root, linear_state(1), run="r", step=1, metrics={"loss": 2.0})
     assert stepvault.open(root).checkpoints("r")[0].metrics == {"loss": 2.0}
     stepvault.ops.annotate(root, "r", 1, {"val_loss": 1.25})
     (summary,) = stepvault.open(root).checkpoints("r")
@@ -180,9 +176,9 @@ def test_listings_show_annotated_metrics(tmp_path):
 
 
 def test_plain_save_takes_lineage_false_like_the_manager_and_names_a_wrong_type(tmp_path):
-    stepvault.save(tmp_path, _state(1), run="r", step=1, lineage=False)
+    stepvault.save(tmp_path, linear_state(1), run="r", step=1, lineage=False)
     m = stepvault.open(tmp_path).checkpoint("r", 1).manifest
     assert m.lineage is None
     with pytest.raises(TypeError, match=r"lineage must be a stepvault\.registry\.Lineage"):
-        stepvault.save(tmp_path, _state(2), run="r", step=2, lineage={"lr": 1e-3})
+        stepvault.save(tmp_path, linear_state(2), run="r", step=2, lineage={"lr": 1e-3})
     assert Store.open(tmp_path).list_steps("r") == [1]  # nothing written by the refused save

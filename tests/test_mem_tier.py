@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import final_digest, run_train_loop, start_train_loop, wait_for_line
+from helpers import final_digest, linear, run_train_loop, start_train_loop, wait_for_line
 from typer.testing import CliRunner
 
 import stepvault
@@ -33,11 +33,6 @@ def _tree_bytes(path: Path) -> int:
 def _events(mgr_or_store, run="r") -> list[dict]:
     store = mgr_or_store.store if hasattr(mgr_or_store, "store") else mgr_or_store
     return read_events(store, run)
-
-
-def _model(width: int, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(width, width)
 
 
 # ------------------------------------------------------------ one process, SIGKILL, resume
@@ -77,7 +72,7 @@ def test_copy_every_minutes_sends_one_save_per_interval_to_disk(tmp_path):
     restarted manager counts from the newest checkpoint on disk."""
     mem, clock = tmp_path / "shm", [1_000_000.0]
     opts = dict(tiers={"mem": str(mem)}, tier_policy=CopyEvery("hot", minutes=10))
-    m = _model(32)
+    m = linear(0, 32, 32)
     with CheckpointManager(tmp_path / "ck", "r", mem_cleanup=False, **opts) as mgr:
         mgr._mem_saver.clock = lambda: clock[0]
         for step in range(1, 9):  # one save per 4 minutes
@@ -108,7 +103,7 @@ def test_plain_restore_reads_this_nodes_mem_tier_first(tmp_path):
     run's mem tier on this node (as the manager does), verified; ``mem=False`` reads disk;
     ``latest_step`` of a manager counts the step in memory."""
     mem, hot = tmp_path / "shm", tmp_path / "ck"
-    m = _model(64)
+    m = linear(0, 64, 64)
     mgr = CheckpointManager(
         hot, "r", tiers={"mem": str(mem)}, tier_policy=CopyEvery("hot", steps=3), lineage=False
     )
@@ -120,7 +115,7 @@ def test_plain_restore_reads_this_nodes_mem_tier_first(tmp_path):
         mgr.wait()
         expected[step] = m.weight.detach().clone()
     assert mgr.store.list_steps("r") == [3] and mgr.latest_step == 4
-    got = _model(64, seed=1)  # (the manager stays open: its process could have died)
+    got = linear(1, 64, 64)  # (the manager stays open: its process could have died)
     info = stepvault.restore(hot, {"model": got}, run="r", mem=str(mem))
     assert info.step == 4 and torch.equal(got.weight, expected[4])
     info = stepvault.restore(hot, {"model": got}, run="r", mem=False)
@@ -152,7 +147,7 @@ def test_budget_is_never_exceeded_and_a_too_big_save_goes_to_disk(tmp_path):
         async_save=False,
         mem_cleanup=False,
     ) as mgr:
-        m = _model(256)
+        m = linear(0, 256, 256)
         assert mgr.mem_tier is not None
         path = Path(mgr.mem_tier.path)
         for step in range(1, 10):
@@ -171,14 +166,14 @@ def test_budget_is_never_exceeded_and_a_too_big_save_goes_to_disk(tmp_path):
             for i, a in enumerate(evicted)
             for b in evicted[i + 1 :]
         )
-        big = _model(600)  # ~1.4 MB: more than the whole budget
+        big = linear(0, 600, 600)  # ~1.4 MB: more than the whole budget
         mgr.save(10, {"model": big})
         assert _tree_bytes(path) <= budget
         assert 10 not in mgr.mem_tier.steps()
         assert 10 in mgr.store.list_steps("r")  # too big for memory: written to disk
         over = [e for e in _events(mgr) if e["event"] == "mem_over_budget"]
         assert over and over[-1]["step"] == 10 and over[-1]["budget"] == budget
-    restored = _model(600, seed=1)
+    restored = linear(1, 600, 600)
     with CheckpointManager(tmp_path / "ck", "r", tiers={"mem": str(mem)}) as mgr:
         info = mgr.restore({"model": restored})
         assert info is not None and info.step == 10 and info.tier == "hot"
@@ -205,7 +200,7 @@ def test_restore_falls_back_from_memory_to_disk_to_s3(tmp_path, s3):
     archive = TierSpec("archive", f"s3://{bucket}/cold", options={"endpoint_url": s3.endpoint})
     hot, mem = tmp_path / "ck", tmp_path / "shm"
     tiers = {"mem": str(mem), "archive": archive}
-    m = _model(64)
+    m = linear(0, 64, 64)
     with CheckpointManager(
         hot, "r", tiers=tiers, tier_policy=CopyEvery("archive", steps=1), mem_cleanup=False
     ) as mgr:
@@ -215,7 +210,7 @@ def test_restore_falls_back_from_memory_to_disk_to_s3(tmp_path, s3):
     expected = m.weight.detach().clone()
 
     def restore():
-        out = _model(64, seed=5)
+        out = linear(5, 64, 64)
         with CheckpointManager(hot, "r", tiers=tiers, mem_cleanup=False) as mgr:
             info = mgr.restore({"model": out})
         assert torch.equal(out.weight, expected)
@@ -241,7 +236,7 @@ def test_restore_falls_back_from_memory_to_disk_to_s3(tmp_path, s3):
 # ------------------------------------------------------------------------------ clean-up
 def test_close_flushes_the_newest_to_disk_and_removes_the_mem_tier(tmp_path):
     mem = tmp_path / "shm"
-    m = _model(32)
+    m = linear(0, 32, 32)
     with CheckpointManager(
         tmp_path / "ck",
         "r",
@@ -268,8 +263,8 @@ def test_tiers_ls_shows_what_memory_holds(tmp_path):
     with CheckpointManager(
         tmp_path / "ck", "r", tiers={"mem": str(mem)}, mem_budget="5MB", mem_cleanup=False
     ) as mgr:
-        mgr.save(1, {"model": _model(64)})
-        mgr.save(2, {"model": _model(64, seed=2)})
+        mgr.save(1, {"model": linear(0, 64, 64)})
+        mgr.save(2, {"model": linear(2, 64, 64)})
     runner = CliRunner()
     res = runner.invoke(
         app, ["--root", str(tmp_path / "ck"), "tiers", "ls", "--mem-root", str(mem), "--json"]
@@ -304,7 +299,7 @@ def test_stale_mem_tier_of_a_dead_job_is_reclaimed(tmp_path):
     # Job A finished normally but kept its mem tier (mem_cleanup=False), then its process
     # ended: reclaimable.
     with CheckpointManager(tmp_path / "a", "r", tiers={"mem": str(mem)}, mem_cleanup=False) as a:
-        a.save(1, {"model": _model(16)})
+        a.save(1, {"model": linear(0, 16, 16)})
     a_dir = Path(a.mem_tier.path)
     _plant_owner(a_dir, _dead_pid())
     (found,) = list_mem_tiers(str(mem))
@@ -322,7 +317,7 @@ def test_stale_mem_tier_of_a_dead_job_is_reclaimed(tmp_path):
     assert not a_dir.exists()
     assert any(e["event"] == "mem_reclaimed" for e in _events(b))
     # B dies holding a checkpoint only in memory (its lease is still there): never reclaimed.
-    b.save(1, {"model": _model(16)})
+    b.save(1, {"model": linear(0, 16, 16)})
     b.wait()
     b_dir = Path(b.mem_tier.path)
     _plant_owner(b_dir, _dead_pid())
@@ -336,7 +331,7 @@ def test_stale_mem_tier_of_a_dead_job_is_reclaimed(tmp_path):
     b._lease.release()
     b._closed = True
     b2 = CheckpointManager(tmp_path / "b", "r", tiers={"mem": str(mem)}, mem_cleanup=False)
-    assert b2.restore({"model": _model(16, seed=3)}).tier == "mem"
+    assert b2.restore({"model": linear(3, 16, 16)}).tier == "mem"
     b2.close()
     _plant_owner(b_dir, _dead_pid())
     assert [Path(t.path) for t in reclaim_stale(str(mem))] == [b_dir]

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from helpers import linear
 from typer.testing import CliRunner
 
 import stepvault
@@ -24,13 +25,8 @@ from stepvault.store.reader_holds import PREFIX, acquire_hold, live_holds
 from stepvault.tiers import MoveAfter, Tiers, TierSpec, apply_tier_policy
 
 
-def model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(16, 4)
-
-
 def save(root, step: int, seed: int = 0) -> None:
-    stepvault.save(root, {"model": model(seed + step)}, run="r", step=step)
+    stepvault.save(root, {"model": linear(seed + step)}, run="r", step=step)
 
 
 def hold_files(root) -> list[str]:
@@ -48,7 +44,7 @@ print("released", flush=True)
 
 
 def test_a_reader_process_holds_a_checkpoint_against_the_trainers_keep_policy(tmp_path):
-    m = model()
+    m = linear()
     with CheckpointManager(tmp_path, "r", keep=KeepLast(1), gc_grace_seconds=0) as mgr:
         mgr.save(1, {"model": m}, force=True)
         mgr.wait()
@@ -176,7 +172,7 @@ def test_load_and_export_hold_what_they_read(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CheckpointReader, "read_all", spy)
     loaded = stepvault.Vault(store).checkpoint("r", 1).load()
-    assert seen == [[1]] and torch.equal(loaded["model"]["weight"], model(1).weight)
+    assert seen == [[1]] and torch.equal(loaded["model"]["weight"], linear(1).weight)
     assert hold_files(tmp_path) == []  # released after the read
 
     pytest.importorskip("safetensors")

@@ -6,31 +6,21 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from helpers import cli, linear
 
 import stepvault
 from stepvault import CheckpointManager, KeepLast
-from stepvault.cli.main import app
 from stepvault.errors import RegistryError
 from stepvault.registry import Registry
 from stepvault.store import Store
-
-
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(16, 4)
 
 
 @pytest.fixture
 def root(tmp_path):
     root = tmp_path / "s"
     for step in (1, 2, 3):
-        stepvault.save(root, {"model": _model(step), "step": step}, run="r", step=step)
+        stepvault.save(root, {"model": linear(step), "step": step}, run="r", step=step)
     return root
-
-
-def cli(root, *args):
-    return CliRunner().invoke(app, ["--root", str(root), *args])
 
 
 def test_promote_and_rollback_follow_the_alias_history(root):
@@ -83,11 +73,11 @@ def test_bad_names_and_unknown_targets_are_refused_clearly(root):
 def test_registered_checkpoints_survive_keep_policies_and_gc(tmp_path):
     root = tmp_path / "s"
     with CheckpointManager(root, "r", keep=KeepLast(1), async_save=False) as mgr:
-        state = {"model": _model(0), "step": 0}
+        state = {"model": linear(0), "step": 0}
         mgr.save(1, state)
         Registry(mgr.store).promote("m", "r@1", "stable")
         for step in (2, 3, 4):
-            state["model"] = _model(step)  # new weights: the old objects become garbage
+            state["model"] = linear(step)  # new weights: the old objects become garbage
             mgr.save(step, state)
         plan = mgr.retention_plan()
     store = Store.open(root)
@@ -96,9 +86,9 @@ def test_registered_checkpoints_survive_keep_policies_and_gc(tmp_path):
     result = stepvault.ops.collect_garbage(store, run="r", keep=KeepLast(1), grace_seconds=0)
     assert result.plan.delete == [] and result.sweep.deleted  # garbage did go
     assert stepvault.ops.verify(root, "r", 1, deep=True).ok  # its objects were not swept
-    restored = {"model": _model(9), "step": None}
+    restored = {"model": linear(9), "step": None}
     stepvault.restore(root, restored, run="r", step=1)
-    assert torch.equal(restored["model"].weight, _model(0).weight)
+    assert torch.equal(restored["model"].weight, linear(0).weight)
 
 
 def test_registry_events_and_cli(root, tmp_path):

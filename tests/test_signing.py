@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from blake3 import blake3
-from typer.testing import CliRunner
+from helpers import cli, linear_state
 
 import stepvault
 from stepvault import CheckpointManager, KeepLast
-from stepvault.cli.main import app
 from stepvault.format.hashing import content_hash
 from stepvault.registry import Registry
 from stepvault.signing import Signer, Verifier
@@ -20,19 +18,10 @@ from stepvault.store import Store
 HMAC = "hmac:" + "ab" * 32
 
 
-def cli(root, *args, env=None):
-    return CliRunner().invoke(app, ["--root", str(root), *args], env=env)
-
-
-def _state(seed):
-    torch.manual_seed(seed)
-    return {"model": torch.nn.Linear(8, 8), "step": seed}
-
-
 def _signed_store(tmp_path, signer):
     root = tmp_path / "s"
     for step in (1, 2):
-        stepvault.save(root, _state(step), run="r", step=step, signer=signer)
+        stepvault.save(root, linear_state(step), run="r", step=step, signer=signer)
     reg = Registry(root, signer=signer)
     reg.promote("m", "r@1", "stable")
     reg.promote("m", "r@2", "stable")
@@ -130,7 +119,7 @@ def test_cutting_off_the_newest_alias_moves_is_detected(tmp_path):
 def test_wrong_key_and_unsigned_records_are_reported(tmp_path):
     signer = Signer.from_spec(HMAC)
     root = _signed_store(tmp_path, signer)
-    stepvault.save(root, _state(3), run="r", step=3)  # unsigned
+    stepvault.save(root, linear_state(3), run="r", step=3)  # unsigned
     other = Signer.from_spec("hmac:" + "cd" * 32).verifier()
     report = stepvault.ops.verify_signatures(Store.open(root), other)
     assert {e["status"] for e in report.problems} == {"other-key"}
@@ -145,7 +134,7 @@ def test_manager_signs_from_the_environment_and_cleans_signatures(tmp_path, monk
     root = tmp_path / "s"
     with CheckpointManager(root, "r", keep=KeepLast(1), async_save=True) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(step, linear_state(step))
     names = sorted(p.name for p in (root / "runs/r/checkpoints").iterdir())
     assert names == ["3.json", "3.sig"]  # deleted checkpoints take their signature along
     monkeypatch.setenv("STEPVAULT_VERIFY_KEY", HMAC)
@@ -156,7 +145,7 @@ def test_manager_signs_from_the_environment_and_cleans_signatures(tmp_path, monk
 
 def test_cli_keygen_sign_and_verify(tmp_path):
     root = tmp_path / "s"
-    stepvault.save(root, _state(1), run="r", step=1)
+    stepvault.save(root, linear_state(1), run="r", step=1)
     key = tmp_path / "team"
     res = cli(root, "keygen", str(key))
     assert res.exit_code == 0, res.output
