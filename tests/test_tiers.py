@@ -366,7 +366,7 @@ def test_cli_tier_older_than_moves_only_aged_checkpoints(tmp_path, monkeypatch):
     res = runner.invoke(app, [*args, "--older-than", "1d"])
     assert res.exit_code == 2 and "no checkpoint in the hot store older than 1d" in res.output
     res = runner.invoke(app, [*args, "--older-than", "soon"])
-    assert res.exit_code == 2 and "not a duration" in res.output
+    assert res.exit_code == 2 and "bad duration" in res.output
 
 
 # ------------------------------------------------------------------------ S3 cold tier
