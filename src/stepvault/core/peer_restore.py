@@ -22,7 +22,7 @@ from ..catalog.events import log_event
 from ..distributed.replication import Replicator, rank_run
 from ..errors import CorruptObjectError, StepvaultError
 from .info import RestoreInfo, SkippedCheckpoint
-from .restore import RestorePlanner
+from .planner import RestorePlanner
 
 
 def restore_from_memory(
