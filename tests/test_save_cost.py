@@ -264,3 +264,28 @@ def test_parent_memory_is_per_store_and_run():
     parent_module.forget_commits(a, "r")
     stepvault.save(a, _state(), run="r", step=11)  # lists once: still right
     assert parse_manifest(a.read_manifest("r", 11)).parent_step == 10
+
+
+def test_recorded_object_lists_equal_the_committed_tables(tmp_path):
+    """Every kind of save records exactly the ``objects`` table a parse of its manifest
+    gives (attachments merged in, a light save's base chunks adopted), so GC's mark from
+    the lists keeps what a mark from parsed manifests keeps."""
+    from stepvault.engine.object_lists import load_object_lists
+
+    m = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    state = {"model": m, "optimizer": opt}
+    stepvault.save(tmp_path, state, run="r", step=1, attachments={"config.json": b"{}"})
+    with torch.no_grad():
+        m.weight.add_(1e-3)
+    stepvault.save(tmp_path, state, run="r", step=2, kind="light")
+    stepvault.save(tmp_path, state, run="r", step=3, kind="weights")
+    store = Store.open(tmp_path)
+    lists, had_log = load_object_lists(store, "r")
+    assert had_log and len(lists) == 3
+    for step in (1, 2, 3):
+        data = store.read_manifest("r", step)
+        digest = json.loads(data.partition(b"\n")[0])["body_blake3"]
+        assert sorted(lists[digest]) == sorted(parse_manifest(data).objects), step

@@ -75,7 +75,9 @@ def record_objects(store: Store, manifest: Manifest, data: bytes) -> None:
         digest = envelope_digest(data)
         if digest is None:
             return
-        store.backend.append(log_key(manifest.run), _line(digest, manifest.objects))
+        # Exactly the serialised ``objects`` table: attachment objects are merged into it.
+        named = {**manifest.attachment_objects, **manifest.objects}
+        store.backend.append(log_key(manifest.run), _line(digest, named))
 
 
 def load_object_lists(store: Store, run: str) -> tuple[dict[str, list[str]], bool]:
