@@ -19,9 +19,9 @@ from ..catalog import commit as epilogue
 from ..catalog.attachments import add_attachments
 from ..catalog.lineage import Lineage, write_lineage
 from ..engine import HostArray, to_host, write_checkpoint
+from ..engine.parent import find_parent
 from ..engine.writer import ChunkDigests
-from ..errors import StepvaultError
-from ..format import CODEC_CHOICES, Manifest, ObjectEntry, parse_manifest
+from ..format import CODEC_CHOICES, Manifest, parse_manifest
 from ..format.settings import DEFAULT_STORE_SETTINGS
 from ..state.snapshot import Snapshot, take_snapshot
 from ..store import Store, validate_run_name, validate_step
@@ -79,23 +79,6 @@ def open_store_for_writing(root: Root | Store) -> Store:
     return Store.open(root, create=True, defaults=DEFAULT_STORE_SETTINGS)
 
 
-def parent_objects(
-    store: Store, run: str, parent_step: int | None, parent: Manifest | None = None
-) -> dict[str, ObjectEntry]:
-    """The object table of ``run@parent_step``: what a save can reuse without asking the
-    store for sizes and codecs. ``parent`` is that manifest when the caller holds it (the
-    manager keeps its last commit); a parent that cannot be read just gives nothing."""
-    if parent_step is None:
-        return {}
-    if parent is not None and parent.run == run and parent.step == parent_step:
-        return parent.objects
-    try:
-        m = parse_manifest(store.read_manifest(run, parent_step), f"{run}@{parent_step}")
-    except StepvaultError:
-        return {}  # damaged or gone: the save asks the store per chunk, as without a parent
-    return m.objects
-
-
 def write_manifest(
     store: Store,
     manifest: Manifest,
@@ -114,13 +97,14 @@ def write_manifest(
     (each chunk hashed once per save); ``after_commit(manifest, data)`` gets the manifest
     bytes as committed (so nobody reads them back).
 
-    The manifest's parent is the run's newest earlier checkpoint; chunks that the parent
-    already names are reused from its object table (one touch each, no size or header
-    lookups).
+    The manifest's parent is the run's newest earlier checkpoint, found from the writer's
+    own last commit (``parent``, else the one this process remembers; see
+    :mod:`stepvault.engine.parent`); chunks that the parent already names are reused from
+    its object table (one touch each, no size or header lookups).
     """
     check_codec(codec)
-    earlier = [s for s in store.list_steps(manifest.run) if s < manifest.step]
-    manifest.parent_step = earlier[-1] if earlier else None
+    # The writer's own last commit, not a listing of the run (engine/parent.py).
+    manifest.parent_step, known = find_parent(store, manifest.run, manifest.step, parent)
     store.ensure_run(
         manifest.run,
         {"run": manifest.run, "created": manifest.created, "environment": environment()},
@@ -132,7 +116,7 @@ def write_manifest(
         codec=codec or store.settings.get("codec", "raw"),
         overwrite=overwrite,
         workers=workers,
-        known=parent_objects(store, manifest.run, manifest.parent_step, parent),
+        known=known,
         before_commit=_before_commit(store, manifest),
         after_commit=_after_commit(store, after_commit),  # listings find it
         digests=digests,

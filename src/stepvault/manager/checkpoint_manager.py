@@ -45,6 +45,7 @@ from .saving import AfterCommit, CollectiveWriter, LocalWriter, SavePipeline
 from .scope import choose_scope
 from .session import RunSession
 from .stats import SaveHandle
+from .sweeping import Sweeper
 
 
 class _SaveAlways(SavePolicy):
@@ -234,7 +235,10 @@ class CheckpointManager:
             start_mem_tier(s, self.mem_tier, writer, self._lease is not None)
             if isinstance(writer, LocalWriter):
                 writer.mem = self._mem_saver
-        self._retention = Retention(s, keep, self._best, self.tier_mover)
+        # Retention deletes manifests after each commit; their objects are swept off the
+        # commit path (.sweeping), by the coordinator (the one that applies retention).
+        self._sweeper = Sweeper(s) if scope.coordinator else None
+        self._retention = Retention(s, keep, self._best, self.tier_mover, self._sweeper)
         hooks: list[AfterCommit] = [self._retention]
         if self.tier_mover is not None:
             hooks.append(NotifyMover(self.tier_mover))
@@ -607,9 +611,13 @@ class CheckpointManager:
                 rank_mem.close()
             if self._mem_saver is not None and self._session.scope.coordinator:
                 self._mem_saver.close()  # newest mem copy to disk, then the tier removed
+            if self._sweeper is not None:
+                self._sweeper.close()  # every save is done: sweep what retention deleted
         finally:
             self._closed = True
             self._stop.set()
+            if self._sweeper is not None:
+                self._sweeper.close(final=False)  # the thread stops also when close failed
             self.save_policy.uninstall()
             self._pipeline.writer.close()
             self._staging.close()
