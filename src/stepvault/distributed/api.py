@@ -543,11 +543,12 @@ def _restore_full(
     from ..engine import CheckpointReader
     from ..engine.load import _pick
     from ..format import decode_value
-    from .state import restore_full_checkpoint
+    from .state import full_checkpoint_problems, restore_full_checkpoint
 
     reader = CheckpointReader(store, manifest, workers=workers)
     meta = decode_value(manifest.state, lambda kind, name: reader.meta(name))
-    _agree_fits(_full_problems(state, meta, manifest, strict), manifest)
+    problems = full_checkpoint_problems(state, meta, manifest.state_kinds, strict=strict)
+    _agree_fits(problems, manifest)
     damage: BaseException | None = None
     tree: dict[str, Any] = {}
     try:
@@ -591,59 +592,6 @@ def _sharded_problems(manifest: Manifest, targets: Mapping[str, Any]) -> list[st
         elif entry.get("type") == "tensor" and tuple(entry["size"]) != size:
             problems.append(f"{fqn}: checkpoint has shape {tuple(entry['size'])}, live {size}")
     return problems
-
-
-def _full_problems(
-    state: Mapping[str, Any], meta: dict[str, Any], manifest: Manifest, strict: bool
-) -> list[str]:
-    """What stops a one-process checkpoint (``meta``: its tree of meta tensors) from
-    loading into ``state``: modules compared by their full (global) parameter shapes,
-    the rest by :func:`stepvault.state.validate`."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from ..state import validate
-
-    problems: list[str] = []
-    rest_state: dict[str, Any] = {}
-    for key, obj in state.items():
-        if isinstance(obj, torch.optim.Optimizer):
-            continue  # loaded with its module; validated by DCP's set_state_dict
-        if key not in meta:
-            if strict:
-                problems.append(f"{key}: not in checkpoint (it has: {', '.join(meta)})")
-            continue
-        if isinstance(obj, torch.nn.Module):
-            # Names as DCP's full state dict has them (no DDP "module." or compile prefix);
-            # names only one side has are left to set_state_dict (strict) to report.
-            saved = {
-                _fqn(name): value
-                for name, value in (meta[key] if isinstance(meta[key], Mapping) else {}).items()
-            }
-            for name, tensor in get_model_state_dict(obj).items():
-                if not isinstance(tensor, torch.Tensor):
-                    continue
-                live = tuple(tensor.size())
-                if isinstance(saved.get(name), torch.Tensor) and tuple(saved[name].shape) != live:
-                    problems.append(
-                        f"{key}.{name}: checkpoint has shape {tuple(saved[name].shape)}, "
-                        f"live {live}"
-                    )
-            continue
-        rest_state[key] = obj
-    problems += validate(
-        rest_state,
-        {k: meta[k] for k in rest_state},
-        {k: manifest.state_kinds.get(k, "value") for k in rest_state},
-        strict=False,
-    )
-    return problems
-
-
-def _fqn(name: str) -> str:
-    """``name`` without the wrapper prefixes (DDP's ``module.``, compile's ``_orig_mod.``)."""
-    while name.startswith(("module.", "_orig_mod.")):
-        name = name.partition(".")[2]
-    return name
 
 
 class _Targets(dict):
