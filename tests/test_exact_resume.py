@@ -18,7 +18,20 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from stepvault.state.dataloader import ResumableLoader
 from stepvault.testing import assert_exact_resume, check_exact_resume
 
-stateful = pytest.importorskip("torchdata.stateful_dataloader")
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError:  # optional: only the tests marked needs_torchdata use it
+    StatefulDataLoader = None
+
+#: torchdata's StatefulDataLoader (a "stateful" setup, a bare stateful loader): a skip per
+#: test, so that the ResumableLoader and check tests run where torchdata is not installed.
+needs_torchdata = pytest.mark.skipif(
+    StatefulDataLoader is None, reason="needs torchdata: pip install torchdata"
+)
+LOADERS = [
+    pytest.param(DataLoader, id="DataLoader"),
+    pytest.param(StatefulDataLoader, id="StatefulDataLoader", marks=needs_torchdata),
+]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 DATA = TensorDataset(torch.arange(16))
@@ -40,7 +53,7 @@ def _fresh(cls, generator):
 
 
 @pytest.mark.parametrize("generator", [True, False], ids=["generator", "no-generator"])
-@pytest.mark.parametrize("cls", [DataLoader, stateful.StatefulDataLoader], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", LOADERS)
 def test_resumed_mid_epoch_continues_and_later_epochs_match(cls, generator):
     straight = _epochs(_fresh(cls, generator), 3)
     first = _fresh(cls, generator)
@@ -56,7 +69,7 @@ def test_resumed_mid_epoch_continues_and_later_epochs_match(cls, generator):
     assert seen == straight
 
 
-@pytest.mark.parametrize("cls", [DataLoader, stateful.StatefulDataLoader], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", LOADERS)
 def test_checkpoint_after_the_last_batch(cls):
     straight = _epochs(_fresh(cls, True), 3)
     first = _fresh(cls, True)
@@ -84,15 +97,16 @@ def test_checkpoint_after_the_last_batch(cls):
     assert [epoch0, *counted(nxt, 2)] == counted_straight
 
 
+@needs_torchdata
 def test_bare_stateful_dataloader_reshuffles_the_next_epoch():
     """The upstream behaviour (torchdata 0.11) that ResumableLoader works around: the
     restored iterator leaves the shared generator one draw short. If this starts to pass
     with a bare loader, torchdata fixed it: update INTEGRATIONS.md."""
-    straight = _epochs(_loader(stateful.StatefulDataLoader, True), 2)
-    first = _loader(stateful.StatefulDataLoader, True)
+    straight = _epochs(_loader(StatefulDataLoader, True), 2)
+    first = _loader(StatefulDataLoader, True)
     it = iter(first)
     head = [next(it)[0].tolist()]
-    resumed = _loader(stateful.StatefulDataLoader, True)
+    resumed = _loader(StatefulDataLoader, True)
     resumed.load_state_dict(first.state_dict())
     epoch0 = head + [b[0].tolist() for b in resumed]
     assert epoch0 == straight[0]
@@ -159,6 +173,7 @@ def test_a_state_of_another_kind_is_refused_with_the_reason():
 
 
 # ------------------------------------------------------------------ the check itself
+@needs_torchdata  # plain_stateful_unwrapped
 def test_check_names_the_first_differing_step_and_tensor(tmp_path):
     # The RNG is left out of the checkpoint: dropout differs from the first resumed step.
     report = check_exact_resume(
@@ -204,6 +219,16 @@ def test_check_refuses_what_a_fresh_process_cannot_import():
 FRESH = dict(steps=20, interrupt_at=3, isolate="resume")
 
 
+def _skip_without_packages_of(setup: str) -> None:
+    """Skip the test where a package the setup trains with is not installed."""
+    if setup.startswith("lightning"):
+        pytest.importorskip("lightning.pytorch")
+    if setup.startswith(("transformers", "accelerate")):
+        pytest.importorskip(setup.split("_")[0])
+    if setup.endswith("_stateful"):
+        pytest.importorskip("torchdata.stateful_dataloader")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "setup",
@@ -218,10 +243,7 @@ FRESH = dict(steps=20, interrupt_at=3, isolate="resume")
     ],
 )
 def test_fresh_process_resume_is_bitwise(setup, tmp_path):
-    if setup.startswith("lightning"):
-        pytest.importorskip("lightning.pytorch")
-    if setup.startswith(("transformers", "accelerate")):
-        pytest.importorskip(setup.split("_")[0])
+    _skip_without_packages_of(setup)
     report = assert_exact_resume(getattr(setups, setup), workdir=tmp_path, **FRESH)
     assert report.resumed_from == 3 and report.compared_checkpoints == list(range(1, 21))
 
@@ -241,10 +263,7 @@ def test_fresh_process_resume_is_bitwise(setup, tmp_path):
 def test_resume_after_the_last_batch_of_an_epoch_is_exact(setup, tmp_path):
     """A checkpoint at step 8, the last batch of epoch 0 (in this process: the
     fresh-process resume is proven above; this is the epoch-boundary case)."""
-    if setup.startswith("lightning"):
-        pytest.importorskip("lightning.pytorch")
-    if setup.startswith(("transformers", "accelerate")):
-        pytest.importorskip(setup.split("_")[0])
+    _skip_without_packages_of(setup)
     # Lightning's own loop counters epoch_progress.total.ready/started come back one
     # lower after a resume at an epoch's end (upstream bookkeeping; training is unchanged).
     ignore = ["epoch_progress"] if setup.startswith("lightning") else []
@@ -261,6 +280,7 @@ def test_resume_after_the_last_batch_of_an_epoch_is_exact(setup, tmp_path):
 
 
 @pytest.mark.slow
+@needs_torchdata
 def test_accelerate_stateful_loader_after_the_last_batch_is_not_exact(tmp_path):
     """Measured limit (accelerate 1.16 + torchdata 0.11): a prepared stateful loader
     restored after an epoch's last batch repeats data at the next step; wrap an ordinary
@@ -275,6 +295,7 @@ def test_accelerate_stateful_loader_after_the_last_batch_is_not_exact(tmp_path):
 
 
 @pytest.mark.slow
+@needs_torchdata  # lightning_stateful_as_before
 def test_lightning_issue_scenario_without_the_fix_is_caught(tmp_path):
     """The issue's failure, found by the check: Lightning with a bare StatefulDataLoader
     (resumable_loaders=False) reshuffles the epoch after the resumed one."""
