@@ -52,9 +52,12 @@ class Probe:
             real = getattr(backend, meth)
 
             def wrapped(key, *args, _real=real, _meth=meth, **kwargs):  # type: ignore[no-untyped-def]
-                # The tier mover (its own thread, woken after each commit) reads the
-                # run's records for its own plan: not part of the save.
-                if self.on and threading.current_thread().name != "stepvault-tiers":
+                # Counted: what a save writes (objects, manifests). Not counted: the
+                # fenced commit's lease check (refs/leases) and the tier mover, which
+                # reads the run's records for its own plan on its own thread.
+                data = str(key).startswith(("objects", "runs/r/checkpoints"))
+                mover = threading.current_thread().name == "stepvault-tiers"
+                if self.on and data and not mover:
                     with self.lock:
                         self.reads.append((name, f"{_meth} {key}"))
                 return _real(key, *args, **kwargs)
