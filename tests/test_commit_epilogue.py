@@ -7,13 +7,12 @@ Real 2-rank gloo groups, real stores."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import epilogue_workers
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 from test_xor_delta import same, save_run, stores
 
 import stepvault
@@ -28,25 +27,9 @@ from stepvault.format.xor_codec import chain_of
 from stepvault.store import Store
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, task: str, root: Path, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        epilogue_workers.run,
-        args=(world, _port(), task, str(root), str(out)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-    for rank in range(world):
-        result = (out / f"rank{rank}.txt").read_text()
-        if result != "ok":  # the whole traceback of the rank
-            pytest.fail(f"rank {rank} of {world} ({task}):\n{result}", pytrace=False)
+    """``epilogue_workers``' ``task`` on ``world`` gloo ranks (helpers.spawn_ranks)."""
+    spawn_ranks(epilogue_workers.run, world, task, root, out)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ job on a real store and must:
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 import restore_contract_workers
 import torch
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 
 import stepvault
 from stepvault import CheckpointManager
@@ -248,29 +247,12 @@ def test_the_integrations_read_every_tier(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ 2 ranks, collective
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_collective_manager_keeps_the_contract(tmp_path: Path) -> None:
     """A 2-rank DDP job with a collective CheckpointManager: (c), (a), (b) as above, and
     the measured target of issue 27: the chosen manifest is parsed once per rank and the
     candidates are shared with one broadcast (it was 4 parses and 3 broadcasts)."""
     root, out = tmp_path / "ck", tmp_path / "out"
-    out.mkdir()
-    mp.start_processes(
-        restore_contract_workers.run,
-        args=(2, _port(), "contract", str(root), str(out)),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
-    for rank in range(2):
-        result = (out / f"rank{rank}.txt").read_text()
-        if result != "ok":
-            pytest.fail(f"rank {rank}:\n{result}", pytrace=False)
+    spawn_ranks(restore_contract_workers.run, 2, "contract", root, out)
     for rank in range(2):
         got = json.loads((out / f"result{rank}.json").read_text())
         print(f"rank {rank}: {got}")  # the whole outcome, for a failing run
