@@ -19,7 +19,8 @@ Runs, each in its own process (one crash does not lose the others' sections):
 - ``bench_resume.py``       model + AdamW into a fresh optimizer: restore + first step vs
                             torch.load and DCP, warm and cold
 - ``bench_pipeline.py``     saves/s into a run of 10k checkpoints vs a fresh one, manifests
-                            read by a retention save, requests per save, GC's mark
+                            read by a retention save, requests per save, GC's mark,
+                            parses and broadcasts of a 2-rank restore, mem-tier hashing
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -183,6 +184,8 @@ def summary_rows(work: Path) -> list[list[str]]:
     from_row("saves/s into a run of 10k ≥ 0.9× a fresh run", pipeline, "saves/s into a run")
     from_row("a retention save reads no manifest of another run", pipeline, "manifests read by")
     from_row("requests per unchanged save do not grow with the run", pipeline, "backend requests")
+    from_row("a collective restore: 1 parse per rank, 1 broadcast", pipeline, "collective restore")
+    from_row("a mem tier save hashes each chunk once", pipeline, "mem tier save")
     if core and core.get("codecs"):
         bf16 = next(c for c in core["codecs"] if c["dtype"] == "bfloat16")
         sv, zipnn = bf16["ratio"]["stepvault float"], bf16["ratio"]["zipnn"]

@@ -34,6 +34,8 @@ TARGETS = (
     "listing 10k checkpoints < 1 s",
     "saves/s into a run of 10k ≥ 0.9× a fresh run",
     "a retention save reads no manifest of another run",
+    "a collective restore: 1 parse per rank, 1 broadcast",
+    "a mem tier save hashes each chunk once",
 )
 
 

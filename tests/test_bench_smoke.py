@@ -62,6 +62,7 @@ def test_bench_pipeline_writes_its_section_with_every_row(tmp_path):
     out.write_text("# keep me\n<!-- pipeline:begin -->\nold\n<!-- pipeline:end -->\ntail\n")
     script = REPO / "benchmarks" / "bench_pipeline.py"
     args = ["--checkpoints", "40", "--saves", "5", "--rounds", "1", "--other", "10"]
+    args += ["--dist-saves", "2", "--mem-mb", "8", "--mem-saves", "2"]
     args += [
         "--requests-long",
         "20",
@@ -80,6 +81,16 @@ def test_bench_pipeline_writes_its_section_with_every_row(tmp_path):
     text = out.read_text()
     assert text.startswith("# keep me") and text.rstrip().endswith("tail") and "old" not in text
     doc = json.loads((tmp_path / "p.json").read_text())
-    assert len(doc["rows"]) == 4
+    assert len(doc["rows"]) == 6
     assert doc["retention"]["other_runs"] == 0  # a retention save reads no other run
     assert doc["mark"]["parsed_with_lists"] == 0
+    # A 2-rank collective restore: the chosen manifest parsed once per rank, one broadcast
+    # (the code before issue 27: 4-5 parses and 3 broadcasts per rank).
+    ranks = doc["collective"]["ranks"]
+    assert [(r["chosen_parses"], r["broadcasts"]) for r in ranks] == [(1, 1), (1, 1)], ranks
+    assert doc["collective"]["bitwise"]
+    # The mem tier: every chunk hashed once per save for memory + disk (it was twice).
+    for save in doc["mem"]["saves"]:
+        assert save["tier"] == "mem+hot" and save["times_each_chunk_hashed"] == [1], save
+        assert save["hashed_by_module"]["stepvault.engine.writer"] == save["chunk_bytes"], save
+    assert all(r["verdict"] == "PASS" for r in doc["rows"][-2:]), doc["rows"][-2:]
