@@ -94,21 +94,24 @@ def small_state() -> dict[str, Any]:
 
 
 @contextmanager
-def counting_parses() -> Iterator[Counter[str]]:
-    """Count full manifest parses by run (``parse_manifest`` builds every manifest through
-    ``_from_json``, looked up at call time, so one patch sees every caller)."""
+def counting_parses(
+    key: Callable[[dict[str, Any]], str] = lambda doc: str(doc.get("run")),
+) -> Iterator[Counter[str]]:
+    """Count full manifest parses by ``key(doc)`` (the run by default; ``parse_manifest``
+    builds every manifest through ``_from_json``, looked up at call time, so one patch sees
+    every caller)."""
     counts: Counter[str] = Counter()
     original = manifest_format._from_json
 
     def counted(doc: dict[str, Any]) -> Any:
-        counts[str(doc.get("run"))] += 1
+        counts[key(doc)] += 1
         return original(doc)
 
-    manifest_format._from_json = counted  # type: ignore[assignment]
+    manifest_format._from_json = counted
     try:
         yield counts
     finally:
-        manifest_format._from_json = original  # type: ignore[assignment]
+        manifest_format._from_json = original
 
 
 @contextmanager
@@ -162,7 +165,8 @@ def fill_run(root: Any, run: str, count: int, state: dict[str, Any]) -> float:
 
 def saves_per_second(root: Path, long_run: str, start: int, args: argparse.Namespace) -> Row:
     state = small_state()
-    fresh, long = [], []
+    fresh: list[float] = []
+    long: list[float] = []
     for r in range(args.rounds):
         for which in ("fresh", "long") if r % 2 == 0 else ("long", "fresh"):
             run = f"fresh{r}" if which == "fresh" else long_run
@@ -330,21 +334,9 @@ def counting_collectives() -> Iterator[Counter[str]]:
             setattr(dist, name, real)
 
 
-@contextmanager
-def counting_step_parses() -> Iterator[Counter[str]]:
-    """Count full manifest parses by ``run@step``."""
-    counts: Counter[str] = Counter()
-    original = manifest_format._from_json
-
-    def counted(doc: dict[str, Any]) -> Any:
-        counts[f"{doc.get('run')}@{doc.get('step')}"] += 1
-        return original(doc)
-
-    manifest_format._from_json = counted  # type: ignore[assignment]
-    try:
-        yield counts
-    finally:
-        manifest_format._from_json = original  # type: ignore[assignment]
+def step_key(doc: dict[str, Any]) -> str:
+    """``run@step`` of a manifest document."""
+    return f"{doc.get('run')}@{doc.get('step')}"
 
 
 def ddp_state(width: int, seed: int) -> dict[str, Any]:
@@ -406,7 +398,7 @@ def dist_worker(rank: int, world: int, port: int, phase: str, root: str, out: st
             state = ddp_state(width, seed=1)  # not what was saved
             with stepvault.CheckpointManager(root, DIST_RUN, lineage=False) as mgr:
                 dist.barrier()  # every rank constructed: the restore alone is measured
-                with counting_step_parses() as parses, counting_collectives() as calls:
+                with counting_parses(step_key) as parses, counting_collectives() as calls:
                     t0 = time.perf_counter()
                     info = mgr.restore(state)
                     seconds = time.perf_counter() - t0
