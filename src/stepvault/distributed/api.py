@@ -21,11 +21,12 @@ from ..errors import (
     NoValidCheckpointError,
     StateMismatchError,
     StepvaultError,
+    UnsupportedTypeError,
 )
 from ..format import Manifest
 from ..format.settings import DEFAULT_STORE_SETTINGS
 from ..store import Store
-from .planners import SafeLoadPlanner, SafeSavePlanner
+from .planners import SafeLoadPlanner, SafeSavePlanner, encode_value
 from .state import apply_dcp, to_dcp
 from .storage import StepvaultReader, StepvaultWriter
 
@@ -361,9 +362,11 @@ def save_state(
     value is the one committed).
     """
     handshake(f"save {run}@{step}", timeout)
+    dcp_state = _with_kinds(state)
+    refuse_unencodable(f"save {run}@{step}", dcp_state, timeout)
     save_sharded(
         root,
-        _with_kinds(state),
+        dcp_state,
         run=run,
         step=step,
         epoch=epoch,
@@ -379,6 +382,56 @@ def _with_kinds(state: Mapping[str, Any]) -> dict[str, Any]:
     dcp_state, kinds = to_dcp(state, for_save=True)
     dcp_state["__stepvault_kinds__"] = kinds
     return dcp_state
+
+
+def _unencodable(dcp_state: dict[str, Any]) -> str | None:
+    """Why a non-tensor value of ``dcp_state`` cannot be stored, or None: the encoding
+    ``SafeSavePlanner`` applies to each value DCP writes as bytes (the same leaves: DCP's
+    flattening), run before the save starts."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dcp_state)
+    for fqn, leaf in flat.items():
+        if hasattr(leaf, "__create_write_items__") or isinstance(
+            leaf, (torch.Tensor, ShardedTensor)
+        ):
+            continue  # a tensor item (DTensor, sharded or plain), not encoded
+        try:
+            encode_value(leaf, fqn)
+        except UnsupportedTypeError as exc:
+            return str(exc)
+    return None
+
+
+def refuse_unencodable(what: str, dcp_state: dict[str, Any], timeout: float) -> None:
+    """Raise :class:`UnsupportedTypeError` on every rank, before a byte is written, when a
+    value of any rank's state cannot be encoded (invariant 3, as for one process).
+
+    Without this the value was refused while DCP wrote it, by the one rank that writes it,
+    after the other ranks had written their shards: DCP's ``CheckpointException`` (a
+    ``BaseException``, which ``except Exception`` and ``on_save_error="warn"`` let
+    through), and from the manager only at the next ``wait()``. The ranks agree through
+    the c10d store (as :func:`handshake`), so a value only one rank holds is refused on all.
+    """
+    problem = _unencodable(dcp_state)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if problem is not None:
+            raise UnsupportedTypeError(f"{problem}. Nothing was written")
+        return
+    from datetime import timedelta
+
+    _CALLS["n"] += 1
+    store = dist.distributed_c10d._get_default_store()
+    tag = f"stepvault/{what}/values/{_CALLS['n']}"
+    store.set(f"{tag}/{dist.get_rank()}", problem or "")
+    keys = [f"{tag}/{r}" for r in range(dist.get_world_size())]
+    store.wait(keys, timedelta(seconds=timeout))
+    for rank, value in enumerate(store.multi_get(keys)):
+        if value:
+            raise UnsupportedTypeError(
+                f"rank {rank}: {bytes(value).decode()}. Nothing was written on any rank"
+            )
 
 
 class AsyncSaver:
@@ -434,6 +487,8 @@ class AsyncSaver:
         nothing is committed.
         """
         handshake(f"save {run}@{step}", timeout)
+        dcp_state = _with_kinds(state)
+        refuse_unencodable(f"save {run}@{step}", dcp_state, timeout)
         writer = StepvaultWriter(
             store,
             run,
@@ -445,7 +500,7 @@ class AsyncSaver:
             lineage=lineage,
         )
         return dcp.async_save(
-            _with_kinds(state),
+            dcp_state,
             storage_writer=writer,
             planner=SafeSavePlanner(),
             process_group=self._pg,
