@@ -79,8 +79,8 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def _failed(*calls) -> dict[str, Any] | None:
     """How the first of ``calls`` that raised failed: which call, the exception's type,
-    whether it names the value, the ranks it names; None when none raised. (DCP's CheckpointException is a
-    BaseException: caught too, it is part of what is checked.)"""
+    whether it names the value, the ranks it names; None when none raised. (DCP's
+    CheckpointException is a BaseException: caught too, it is part of what is checked.)"""
     for at, call in enumerate(calls):
         try:
             call()

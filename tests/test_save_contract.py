@@ -41,8 +41,6 @@ from helpers import spawn_ranks
 from test_restore_contract import _same, _snapshot, _state, _train
 from test_xor_delta import same, save_run, stores
 
-from stepvault.manager.options import MemOptions
-from stepvault.manager.options import LeaseOptions, ManagerOptions
 import stepvault
 import stepvault.format.manifest as manifest_format
 from stepvault import CheckpointManager
@@ -103,7 +101,7 @@ def _mem_manager(root: Path, run: str) -> Writer:
     """Every save into node memory and then the hot store (the default tier policy); the
     memory copies kept after close, to be checked like any store."""
     mem = root.parent / f"{root.name}-shm"
-    return _ManagerWriter(root, run, tiers={"mem": MemOptions(path=mem, cleanup=False)})
+    return _ManagerWriter(root, run, tiers={"mem": str(mem)}, mem_cleanup=False)
 
 
 @dataclass
@@ -381,7 +379,7 @@ def test_a_commit_after_another_process_took_the_run_over_is_refused(
     async_save: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "ck"
-    mgr = CheckpointManager(root, RUN, async_save=async_save, options=ManagerOptions(lease=LeaseOptions(stale_after=1.0)), lineage=False)
+    mgr = CheckpointManager(root, RUN, async_save=async_save, lease_stale_after=1.0, lineage=False)
     state = _state()
     _train(state, 1)
     mgr.save(1, state, force=True)
