@@ -36,6 +36,7 @@ from bench_incremental import TinyGpt
 
 import stepvault
 from stepvault import CheckpointManager, Every, LightOptions
+from stepvault.manager.options import ManagerOptions
 
 SECTION = "light"
 VOCAB, CTX, WIDTH, LAYERS, BATCH = 256, 32, 96, 2, 8
@@ -77,7 +78,9 @@ def training(root: Path, policy, light: LightOptions | None, steps: int) -> dict
     """Train ``steps`` steps saving by ``policy``; the new bytes of every save, by kind."""
     model, opt = fresh()
     saves: list[tuple[int, str, int]] = []
-    with CheckpointManager(root, "train", save=policy, light=light, async_save=False) as mgr:
+    with CheckpointManager(
+        root, "train", save=policy, options=ManagerOptions(light=light), async_save=False
+    ) as mgr:
         for step in range(1, steps + 1):
             loss = train_step(model, opt, step)
             handle = mgr.save(step, {"model": model, "optimizer": opt}, metrics={"loss": loss})

@@ -42,6 +42,7 @@ from bench_tiers import S3Server, make_model, nbytes
 
 import stepvault
 from stepvault import CheckpointManager
+from stepvault.manager.options import MemOptions
 from stepvault.store import Store
 from stepvault.store.fsspec_backend import open_fsspec
 from stepvault.tiers import copy_checkpoint
@@ -84,9 +85,7 @@ def hash_floor(mem_path: Path) -> float:
 def crash(mgr: CheckpointManager) -> None:
     """Leave the manager as a crashed process would (its mem tier kept), but hand the lease
     back so that the next process (the restart) may write the run at once."""
-    mgr._stop.set()  # the heartbeat thread must not renew the lease after this
-    mgr._heartbeat.join()
-    mgr._lease.release()  # type: ignore[union-attr]
+    mgr._p.lease.release()  # the heartbeat stops first: no renewal after this
     mgr._closed = True
 
 
@@ -105,8 +104,12 @@ def child(args: argparse.Namespace) -> None:
         stepvault.restore(store, state, run=RUN, progress=False)
         seconds, tier = time.perf_counter() - t0, "s3"
     else:
-        tiers = {"mem": args.mem_root} if args.child.startswith("mem") else None
-        mgr = CheckpointManager(args.hot, RUN, tiers=tiers, mem_cleanup=False, lineage=False)
+        tiers = (
+            {"mem": MemOptions(path=args.mem_root, cleanup=False)}
+            if args.child.startswith("mem")
+            else None
+        )
+        mgr = CheckpointManager(args.hot, RUN, tiers=tiers, lineage=False)
         t0 = time.perf_counter()
         info = mgr.restore(state, assign=args.child == "mem-assign")
         seconds = time.perf_counter() - t0
@@ -155,7 +158,9 @@ def main() -> None:
             )
             model = make_model(args.size_mb)
             size = nbytes(model)
-            mgr = CheckpointManager(hot, RUN, tiers={"mem": mem_root}, mem_cleanup=False)
+            mgr = CheckpointManager(
+                hot, RUN, tiers={"mem": MemOptions(path=mem_root, cleanup=False)}
+            )
             mgr.save(1, {"model": model}, force=True)
             mgr.wait()
             saved = [e for e in mgr.events() if e["event"] == "save"][-1]

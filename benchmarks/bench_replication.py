@@ -11,7 +11,7 @@ the stall is the training thread's time in ``save`` + ``replicate`` (which only 
 and the step time is the training loop's time per iteration while replication runs in the
 background. Then node n1's memory is wiped and both ranks restart: n1's rank restores from
 its buddy's memory ("peer"), n0's from its own ("mem"). Last, the same A/B through
-``CheckpointManager(tiers={"mem": ...}, replicate=True)``: asynchronous memory-only saves,
+``CheckpointManager(tiers={"mem": MemOptions(replicate=True)})``: asynchronous memory-only saves,
 replication off meaning both ranks on one node (no buddy).
 
 Rewrites the section between ``<!-- replication:begin -->`` and ``<!-- replication:end -->``.
@@ -40,6 +40,7 @@ from _common import table
 
 import stepvault
 from stepvault.distributed.replication import Replicator, rank_run
+from stepvault.manager.options import MemOptions
 from stepvault.store import Store
 
 
@@ -103,7 +104,7 @@ def _worker(rank: int, port: int, task: str, mem: str, out: str, args: dict) -> 
 
 
 def _manager(rank: int, task: str, mem: Path, out: Path, args: dict) -> None:
-    """``CheckpointManager(tiers={"mem": ...}, replicate=True)`` as a training job uses it:
+    """``CheckpointManager(tiers={"mem": MemOptions(replicate=True)})`` as a training job uses it:
     asynchronous memory-only saves (disk every 10**6 steps), stall = ``handle.stall_seconds``
     (the copy into host memory), the training loop timed while the write and the
     replication run in the background; the first save (buffers allocated) is not counted."""
@@ -119,13 +120,15 @@ def _manager(rank: int, task: str, mem: Path, out: Path, args: dict) -> None:
     with stepvault.CheckpointManager(
         mem / "disk",
         "m",
-        tiers={"mem": str(mem / os.environ["STEPVAULT_NODE"])},
-        replicate=True,
+        tiers={
+            "mem": MemOptions(
+                path=mem / os.environ["STEPVAULT_NODE"], budget="16GB", replicate=True
+            )
+        },
         tier_policy=CopyEvery("hot", steps=10**6),
-        mem_budget="16GB",
         lineage=False,
     ) as mgr:
-        replicator = mgr._pipeline.writer.mem.replicator
+        replicator = mgr._p.rank_mem.replicator
         for i in range(1, args["saves"] + 2):
             state["w"].add_(1.0)  # every chunk changes: every save replicates everything
             dist.barrier()
@@ -241,7 +244,8 @@ def main() -> None:
             f"{args.saves} saves per mode alternating off/on, medians over both ranks. Every "
             "save changes every chunk, so every replicated save sends the whole state.",
             "",
-            "**Through the manager** (`CheckpointManager(tiers={'mem': ...}, replicate=True)`, "
+            "**Through the manager** "
+            "(`CheckpointManager(tiers={'mem': MemOptions(replicate=True)})`, "
             "asynchronous memory-only saves, medians over both ranks of the saves after the "
             "first; replication off = both ranks on one node, so no rank has a buddy):",
             "",

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from stepvault.manager.options import GCOptions, ManagerOptions
+
 RUN = "demo"
 TOTAL_STEPS = 1500
 SAVE_EVERY = 100
@@ -66,7 +68,8 @@ def train(store: str) -> None:
         store, RUN,
         save=stepvault.Every(steps=SAVE_EVERY) | stepvault.LastStep(),
         keep=stepvault.KeepLast(4) | stepvault.KeepBest(2, metric="loss"),
-        async_save=True, codec="auto", total_steps=TOTAL_STEPS, gc_grace_seconds=0,
+        async_save=True, codec="auto", total_steps=TOTAL_STEPS,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
     )  # fmt: skip
     info = mgr.restore(state)
     if info is None:

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from stepvault.manager.options import GCOptions, ManagerOptions
+
 
 def full_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -231,7 +233,7 @@ def task_manager_ddp(rank, world, root, out):
         "ddp",
         save=stepvault.Every(steps=2, what="light"),
         keep=stepvault.KeepLast(2),
-        gc_grace_seconds=0,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
     ) as mgr:
         assert mgr.restore(state) is None
         for step in range(1, 7):
@@ -413,7 +415,7 @@ def task_fsdp_tiered(rank, world, root, out):
     policy = HotLast(1) | CopyEvery("cold", steps=1)
     with stepvault.CheckpointManager(
         root, "t", save=stepvault.Every(steps=1), tiers={"cold": cold}, tier_policy=policy,
-        async_save=False, gc_grace_seconds=0,
+        async_save=False, options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
     ) as mgr:  # fmt: skip
         for _ in range(3):
             _train(state, 1)

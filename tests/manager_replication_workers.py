@@ -13,6 +13,7 @@ import torch.distributed as dist
 from replication_workers import flat, make_state, train_step
 
 from stepvault import CheckpointManager
+from stepvault.manager.options import MemOptions
 from stepvault.tiers import CopyEvery
 
 
@@ -26,16 +27,14 @@ def _train(state: dict, step: int) -> None:
     train_step(state, 0, step)
 
 
-def _manager(mem: Path, out: Path, **options) -> CheckpointManager:
+def _manager(mem: Path, out: Path, budget: int | str | None = None) -> CheckpointManager:
     os.environ["STEPVAULT_MEM_ROOT"] = str(mem)  # this rank's node memory
     return CheckpointManager(
         out / "hot",
         "r",
-        tiers={"mem": True},
-        replicate=True,
+        tiers={"mem": MemOptions(budget=budget, replicate=True)},
         tier_policy=CopyEvery("hot", steps=3),  # disk every 3rd save; the rest in memory
         lineage=False,
-        **options,
     )
 
 
@@ -56,7 +55,7 @@ def task_train(rank, world, mem, out, arg):
             mgr.wait()
             torch.save(flat(state), out / f"expected{step}_{rank}.pt")
     mgr.wait()
-    mgr._restorer.memory.replicator.wait()  # replicas written before the kill
+    mgr._p.rank_mem.replicator.wait()  # replicas written before the kill
     torch.save(flat(state), out / f"expected5_{rank}.pt")
     # no close(): SIGKILLed by the harness with everything in memory
 
@@ -116,7 +115,7 @@ def task_reopen(rank, world, mem, out, arg):
     assert mgr.store.list_steps("r") == [3]
 
     mgr = _manager(mem, out)
-    own = mgr._restorer.memory.tier
+    own = mgr._p.rank_mem.tier
     assert own.steps() == [1, 2, 3, 4, 5]
     got = {"w": torch.zeros(64)}
     info = mgr.restore(got)
@@ -132,13 +131,13 @@ def task_reopen(rank, world, mem, out, arg):
     for step in (1, 2):
         mgr.save(step, {"w": torch.full((64,), float(step))}, force=True)
     mgr.wait()
-    assert mgr._restorer.memory.tier.steps() == [1, 2]
+    assert mgr._p.rank_mem.tier.steps() == [1, 2]
     got = {"w": torch.zeros(64)}
     info = mgr.restore(got)
     assert (info.step, info.tier) == (6, "hot"), (info.step, info.tier)
     assert torch.equal(got["w"], torch.full((64,), 6.0))
     mgr.close()  # memory older than disk is never restored: removed
-    assert not Path(mgr._restorer.memory.tier.path).exists()
+    assert not Path(mgr._p.rank_mem.tier.path).exists()
 
     # Both nodes replaced: no memory anywhere, so every rank restores from disk.
     dist.barrier()
@@ -151,14 +150,14 @@ def task_reopen(rank, world, mem, out, arg):
 
     # Rank 0's memory is too small for a save that is not due on disk: every rank saves
     # it to disk (DCP stays collective), and rank 1 also into its memory.
-    mgr = _manager(mem, out, mem_budget=4096 if rank == 0 else "1GB")
+    mgr = _manager(mem, out, budget=4096 if rank == 0 else "1GB")
     half = 2048 if rank == 0 else 500_000_000  # the node's budget: half own, half replicas
-    rank_mem = mgr._restorer.memory
+    rank_mem = mgr._p.rank_mem
     assert rank_mem.tier.budget == rank_mem.replicator.budget_bytes == half
     mgr.save(7, got)
     mgr.wait()
     assert mgr.store.list_steps("r") == [3, 6, 7]
-    assert mgr._restorer.memory.tier.steps() == ([] if rank == 0 else [7])
+    assert mgr._p.rank_mem.tier.steps() == ([] if rank == 0 else [7])
     mgr.close()
 
 
@@ -214,7 +213,7 @@ def task_fsdp_train(rank, world, mem, out, arg):
         _fsdp_train(state, rank, step)
         mgr.save(step, state)
     mgr.wait()
-    mgr._restorer.memory.replicator.wait()  # replicas written before the kill
+    mgr._p.rank_mem.replicator.wait()  # replicas written before the kill
     assert [e["event"] for e in mgr.events()].count("mem_save_failed") == 0
     torch.save(_local_shards(state), out / f"fsdp5_{rank}.pt")
     torch.save(torch.get_rng_state(), out / f"rng5_{rank}.pt")

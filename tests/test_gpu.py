@@ -16,6 +16,7 @@ from test_distributed import _spawn
 
 import stepvault
 from stepvault import CheckpointManager
+from stepvault.manager.options import ManagerOptions, StagingOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -61,7 +62,7 @@ def test_async_save_holds_the_values_at_the_call_while_the_next_steps_run(tmp_pa
     _step(state)
     with CheckpointManager(tmp_path, "gpu", async_save=True, lineage=False) as mgr:
         mgr.prepare(state, wait=True)
-        area = mgr._staging._areas[0]
+        area = mgr._p.staging._areas[0]
         assert area.pin_memory and area._block.is_pinned()  # DMA, not pageable copies
         _step(state)
         snap = _snapshot(state)
@@ -83,7 +84,11 @@ def test_back_to_back_saves_reuse_the_pinned_buffers_without_mixing_steps(tmp_pa
     state = _train_state()
     snaps: dict[int, dict[str, torch.Tensor]] = {}
     with CheckpointManager(
-        tmp_path, "gpu", async_save=True, lineage=False, staging_memory="1GB"
+        tmp_path,
+        "gpu",
+        async_save=True,
+        lineage=False,
+        options=ManagerOptions(staging=StagingOptions(memory="1GB")),
     ) as mgr:
         for _ in range(6):
             _step(state)

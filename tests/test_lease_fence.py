@@ -29,6 +29,7 @@ from stepvault.core.restore import restore
 from stepvault.core.write import save
 from stepvault.errors import LeaseHeldError, LeaseLostError
 from stepvault.format import parse_manifest
+from stepvault.manager.options import LeaseOptions, ManagerOptions
 from stepvault.manager.scope import fenced
 from stepvault.store import Store
 from stepvault.store.fsspec_backend import open_fsspec
@@ -268,13 +269,14 @@ def test_a_commit_after_the_lease_was_lost_is_refused_with_nothing_visible(open_
 def test_a_lost_heartbeat_refuses_the_queued_save_and_every_later_one(tmp_path):
     """In one process: the first manager's heartbeat stops (as if paused), a second one
     takes the run over; the first one's asynchronous save is refused, so are later ones."""
-    a = CheckpointManager(tmp_path, "r", async_save=True, lease_stale_after=1.0)
+    a = CheckpointManager(
+        tmp_path, "r", async_save=True, options=ManagerOptions(lease=LeaseOptions(stale_after=1.0))
+    )
     a.save(1, state_of(1), force=True)
     a.wait()
-    a._stop.set()  # the heartbeat stops, as in a paused process
-    a._heartbeat.join()
+    a._p.lease.stop()  # the heartbeat stops, as in a paused process
     time.sleep(1.2)
-    b = CheckpointManager(tmp_path, "r", lease_stale_after=60)
+    b = CheckpointManager(tmp_path, "r", options=ManagerOptions(lease=LeaseOptions(stale_after=60)))
     b.save(2, state_of(2), force=True)
     handle = a.save(3, state_of(3), force=True)  # staged, then refused at commit
     with pytest.raises(LeaseLostError, match=f"pid {os.getpid()}"):
@@ -291,14 +293,18 @@ def test_a_lost_heartbeat_refuses_the_queued_save_and_every_later_one(tmp_path):
 
 
 def test_one_writer_many_saves_close_and_reopen_is_unaffected(tmp_path):
-    with CheckpointManager(tmp_path, "r", async_save=True, lease_stale_after=0.6) as mgr:
+    with CheckpointManager(
+        tmp_path, "r", async_save=True, options=ManagerOptions(lease=LeaseOptions(stale_after=0.6))
+    ) as mgr:
         for step in range(1, 9):
             mgr.save(step, state_of(step), force=True)
             time.sleep(0.1)  # heartbeats run between saves (every 0.2 s)
         mgr.wait()
-        assert mgr._lease is not None and mgr._lease.lost is None
+        assert mgr._p.lease.lease is not None and mgr._p.lease.lease.lost is None
     assert not (tmp_path / lease_key("r")).exists()
-    with CheckpointManager(tmp_path, "r", lease_stale_after=0.6) as mgr:
+    with CheckpointManager(
+        tmp_path, "r", options=ManagerOptions(lease=LeaseOptions(stale_after=0.6))
+    ) as mgr:
         live = state_of(0)
         assert mgr.restore(live).step == 8
         assert torch.equal(live["model"].weight, state_of(8)["model"].weight)
@@ -348,7 +354,9 @@ def test_two_takeovers_at_once_leave_one_owner(tmp_path):
 def test_a_store_out_of_reach_for_a_heartbeat_warns_and_the_heartbeat_goes_on(tmp_path):
     """A renewal that fails for a reason other than a takeover (the store briefly out of
     reach) is a warning, not a lost lease: the heartbeat keeps renewing and saves go on."""
-    with CheckpointManager(tmp_path, "r", lease_stale_after=0.6) as mgr:
+    with CheckpointManager(
+        tmp_path, "r", options=ManagerOptions(lease=LeaseOptions(stale_after=0.6))
+    ) as mgr:
         backend = mgr.store.backend
         replace_if = backend.replace_if
         failures = []

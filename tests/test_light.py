@@ -23,6 +23,7 @@ from stepvault.engine.light_delta import (
     light_delta_size,
 )
 from stepvault.format.record import CheckpointRecord
+from stepvault.manager.options import ManagerOptions
 from stepvault.policy import plan_retention
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -279,7 +280,7 @@ def test_manager_light_policy_keep_rules_and_resume(tmp_path):
     m2, o2 = _fresh()
     with CheckpointManager(tmp_path, "r") as mgr:
         assert mgr.restore(_state(m2, o2, 0)).step == 6
-    with CheckpointManager(tmp_path, "r", resume_from_light=True) as mgr:
+    with CheckpointManager(tmp_path, "r", options=ManagerOptions(resume_from_light=True)) as mgr:
         info = mgr.restore(_state(m2, o2, 0))
         assert (info.step, info.lossy, info.base_step) == (10, True, 6)
         event = [e for e in mgr.events() if e["event"] == "restore"][-1]
@@ -454,7 +455,7 @@ def test_async_light_save_builds_its_deltas_from_the_staged_copy_off_the_trainin
         assert handle.result().kind == "light" and handle.kind == "light"
     assert threads and threading.main_thread() not in threads
     m2, o2 = _fresh()
-    with CheckpointManager(tmp_path, "r", resume_from_light=True) as mgr:
+    with CheckpointManager(tmp_path, "r", options=ManagerOptions(resume_from_light=True)) as mgr:
         info = mgr.restore(_state(m2, o2, 0))
     assert info.step == 2 and info.lossy
     err = (m2.a.weight - saved["a.weight"]).abs().max().item()

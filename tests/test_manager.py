@@ -13,6 +13,7 @@ from training import Trainer, assert_same_training_state
 
 import stepvault
 from stepvault import CheckpointManager
+from stepvault.manager.options import GCOptions, ManagerOptions, StagingOptions
 from stepvault.policy import Every, KeepBest, KeepLast, OnSignal
 from stepvault.store import Store
 from stepvault.store.lease import LeaseHeldError
@@ -33,7 +34,7 @@ def test_policy_driven_saves_and_retention(tmp_path, async_save):
         save=Every(steps=3),
         keep=KeepLast(2),
         async_save=async_save,
-        gc_grace_seconds=0,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
     ) as mgr:
         handles = []
         for step in range(1, 13):
@@ -129,7 +130,9 @@ def test_if_busy_skip(tmp_path, monkeypatch):
         Store, "put_object", lambda self, d, p: (gate.wait(10), original(self, d, p))[1]
     )
     state = _state()
-    with CheckpointManager(tmp_path, "r", if_busy="skip") as mgr:
+    with CheckpointManager(
+        tmp_path, "r", options=ManagerOptions(staging=StagingOptions(if_busy="skip"))
+    ) as mgr:
         mgr.prepare(state, wait=True)  # buffers ready: the first save is async
         assert mgr.save(1, state) is not None
         assert mgr.save(2, state) is None  # previous one still writing: skipped
@@ -145,7 +148,10 @@ def test_restore_latest_best_exact_and_fallback(tmp_path):
     state = _state()
     losses = {1: 0.5, 2: 0.2, 3: 0.4, 4: 0.3}
     with CheckpointManager(
-        tmp_path, "r", keep=KeepBest(2, metric="val_loss"), gc_grace_seconds=0
+        tmp_path,
+        "r",
+        keep=KeepBest(2, metric="val_loss"),
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
     ) as mgr:
         assert mgr.restore(state) is None  # fresh start
         for step, loss in losses.items():
@@ -200,7 +206,9 @@ def test_weights_only_and_full_checkpoints(tmp_path):
 
 def test_pins_survive_every_keep_policy(tmp_path):
     state = _state()
-    with CheckpointManager(tmp_path, "r", keep=KeepLast(1), gc_grace_seconds=0) as mgr:
+    with CheckpointManager(
+        tmp_path, "r", keep=KeepLast(1), options=ManagerOptions(gc=GCOptions(grace_seconds=0))
+    ) as mgr:
         mgr.save(1, state)
         mgr.wait()
         mgr.pin(1, note="release candidate")
@@ -231,7 +239,7 @@ def test_stale_lease_is_taken_over(tmp_path):
     lease_path = tmp_path / "refs" / "leases" / "r.json"
     # forge a lease left by a dead process on this host
     record = json.loads(lease_path.read_text())
-    mgr._stop.set()
+    mgr._p.lease.stop()
     record.update(pid=2**22 + 12345, token="dead")
     lease_path.write_text(json.dumps(record))
     CheckpointManager(tmp_path, "r").close()
@@ -250,7 +258,11 @@ def test_gc_races_with_saves_of_another_run(tmp_path):
     def writer(run, keep):
         try:
             with CheckpointManager(
-                tmp_path, run, keep=keep, gc_grace_seconds=1.0, async_save=True
+                tmp_path,
+                run,
+                keep=keep,
+                options=ManagerOptions(gc=GCOptions(grace_seconds=1.0)),
+                async_save=True,
             ) as mgr:
                 for step in range(1, 15):
                     state = {"shared": shared, "own": torch.full((50_000,), float(step))}
@@ -288,7 +300,9 @@ def test_retention_plan_dry_run_changes_nothing(tmp_path):
 
 def test_events_and_stats(tmp_path):
     state = _state()
-    with CheckpointManager(tmp_path, "r", keep=KeepLast(1), gc_grace_seconds=0) as mgr:
+    with CheckpointManager(
+        tmp_path, "r", keep=KeepLast(1), options=ManagerOptions(gc=GCOptions(grace_seconds=0))
+    ) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
         mgr.wait()

@@ -1,4 +1,4 @@
-"""``CheckpointManager(..., tiers={"mem": True}, replicate=True)`` under a process group:
+"""``CheckpointManager(..., tiers={"mem": MemOptions(replicate=True)})`` under a group:
 2 gloo ranks as 2 simulated nodes (part B's harness: ``replication_workers.run``), every
 job ending with all ranks SIGKILLed."""
 

@@ -21,6 +21,7 @@ import stepvault
 from stepvault import CheckpointManager
 from stepvault.catalog.events import read_events
 from stepvault.format import parse_manifest
+from stepvault.manager.options import MemOptions
 from stepvault.store import Store
 from stepvault.tiers import CopyEvery, MemLast
 from stepvault.tiers.mem import list_mem_tiers, mem_dir, reclaim_stale
@@ -71,10 +72,13 @@ def test_copy_every_minutes_sends_one_save_per_interval_to_disk(tmp_path):
     the first at least 10 minutes after the last one on disk (a fake wall clock); a
     restarted manager counts from the newest checkpoint on disk."""
     mem, clock = tmp_path / "shm", [1_000_000.0]
-    opts = dict(tiers={"mem": str(mem)}, tier_policy=CopyEvery("hot", minutes=10))
+    opts = dict(
+        tiers={"mem": MemOptions(path=mem, cleanup=False)},
+        tier_policy=CopyEvery("hot", minutes=10),
+    )
     m = linear(0, 32, 32)
-    with CheckpointManager(tmp_path / "ck", "r", mem_cleanup=False, **opts) as mgr:
-        mgr._mem_saver.clock = lambda: clock[0]
+    with CheckpointManager(tmp_path / "ck", "r", **opts) as mgr:
+        mgr._p.mem.clock = lambda: clock[0]
         for step in range(1, 9):  # one save per 4 minutes
             mgr.save(step, {"model": m}, force=True)
             mgr.wait()
@@ -87,12 +91,12 @@ def test_copy_every_minutes_sends_one_save_per_interval_to_disk(tmp_path):
     assert Store.open(tmp_path / "ck").list_steps("r") == [1, 4, 7, 8]  # close flushed 8
     with CheckpointManager(tmp_path / "ck", "r", **opts) as again:
         newest = again.store.list_steps("r")[-1]
-        created = next(r.created for r in again._session.records() if r.step == newest)
-        again._mem_saver.clock = lambda: created + 300  # 5 minutes after it: memory only
+        created = next(r.created for r in again._p.session.records() if r.step == newest)
+        again._p.mem.clock = lambda: created + 300  # 5 minutes after it: memory only
         again.save(10, {"model": m}, force=True)
         again.wait()
         assert again.store.list_steps("r") == [1, 4, 7, 8]
-        again._mem_saver.clock = lambda: created + 601
+        again._p.mem.clock = lambda: created + 601
         again.save(11, {"model": m}, force=True)
         again.wait()
         assert again.store.list_steps("r")[-1] == 11
@@ -141,11 +145,9 @@ def test_budget_is_never_exceeded_and_a_too_big_save_goes_to_disk(tmp_path):
     with CheckpointManager(
         tmp_path / "ck",
         "r",
-        tiers={"mem": str(mem)},
-        mem_budget=budget,
+        tiers={"mem": MemOptions(path=mem, budget=budget, cleanup=False)},
         tier_policy=CopyEvery("hot", steps=3),  # disk every 3rd: the rest only in memory
         async_save=False,
-        mem_cleanup=False,
     ) as mgr:
         m = linear(0, 256, 256)
         assert mgr.mem_tier is not None
@@ -181,8 +183,8 @@ def test_budget_is_never_exceeded_and_a_too_big_save_goes_to_disk(tmp_path):
 
 
 def test_budget_option_is_checked():
-    with pytest.raises(ValueError, match="mem_budget must be a number of bytes"):
-        CheckpointManager("unused", "r", tiers={"mem": True}, mem_budget="lots")
+    with pytest.raises(ValueError, match="mem budget must be a number of bytes"):
+        CheckpointManager("unused", "r", tiers={"mem": MemOptions(budget="lots")})
 
 
 # --------------------------------------------------------- restore order mem -> disk -> S3
@@ -199,11 +201,9 @@ def test_restore_falls_back_from_memory_to_disk_to_s3(tmp_path, s3):
     bucket = s3.new_bucket()
     archive = TierSpec("archive", f"s3://{bucket}/cold", options={"endpoint_url": s3.endpoint})
     hot, mem = tmp_path / "ck", tmp_path / "shm"
-    tiers = {"mem": str(mem), "archive": archive}
+    tiers = {"mem": MemOptions(path=mem, cleanup=False), "archive": archive}
     m = linear(0, 64, 64)
-    with CheckpointManager(
-        hot, "r", tiers=tiers, tier_policy=CopyEvery("archive", steps=1), mem_cleanup=False
-    ) as mgr:
+    with CheckpointManager(hot, "r", tiers=tiers, tier_policy=CopyEvery("archive", steps=1)) as mgr:
         mgr.save(1, {"model": m})
         mgr.wait()
         mem_path = Path(mgr.mem_tier.path)
@@ -211,7 +211,7 @@ def test_restore_falls_back_from_memory_to_disk_to_s3(tmp_path, s3):
 
     def restore():
         out = linear(5, 64, 64)
-        with CheckpointManager(hot, "r", tiers=tiers, mem_cleanup=False) as mgr:
+        with CheckpointManager(hot, "r", tiers=tiers) as mgr:
             info = mgr.restore({"model": out})
         assert torch.equal(out.weight, expected)
         return info
@@ -261,7 +261,7 @@ def test_tiers_ls_shows_what_memory_holds(tmp_path):
 
     mem = tmp_path / "shm"
     with CheckpointManager(
-        tmp_path / "ck", "r", tiers={"mem": str(mem)}, mem_budget="5MB", mem_cleanup=False
+        tmp_path / "ck", "r", tiers={"mem": MemOptions(path=mem, budget="5MB", cleanup=False)}
     ) as mgr:
         mgr.save(1, {"model": linear(0, 64, 64)})
         mgr.save(2, {"model": linear(2, 64, 64)})
@@ -296,9 +296,11 @@ def test_stale_mem_tier_of_a_dead_job_is_reclaimed(tmp_path):
     from stepvault.cli.main import app
 
     mem = tmp_path / "shm"
-    # Job A finished normally but kept its mem tier (mem_cleanup=False), then its process
+    # Job A finished normally but kept its mem tier (MemOptions(cleanup=False)), then its process
     # ended: reclaimable.
-    with CheckpointManager(tmp_path / "a", "r", tiers={"mem": str(mem)}, mem_cleanup=False) as a:
+    with CheckpointManager(
+        tmp_path / "a", "r", tiers={"mem": MemOptions(path=mem, cleanup=False)}
+    ) as a:
         a.save(1, {"model": linear(0, 16, 16)})
     a_dir = Path(a.mem_tier.path)
     _plant_owner(a_dir, _dead_pid())
@@ -326,11 +328,11 @@ def test_stale_mem_tier_of_a_dead_job_is_reclaimed(tmp_path):
     assert reclaim_stale(str(mem)) == [] and b_dir.exists()
     # The restart resumes and ends normally, keeping the mem tier: its newest checkpoint is
     # flushed to disk and the lease released, so the tier is stale once the process is gone.
-    b._stop.set()  # B "died": no more heartbeats; its lease handed over (a dead pid's
-    b._heartbeat.join()  # lease is taken over at once, as test_crash_resume shows)
-    b._lease.release()
+    # B "died": no more heartbeats; its lease handed over (a dead pid's lease is taken over
+    # at once, as test_crash_resume shows)
+    b._p.lease.release()
     b._closed = True
-    b2 = CheckpointManager(tmp_path / "b", "r", tiers={"mem": str(mem)}, mem_cleanup=False)
+    b2 = CheckpointManager(tmp_path / "b", "r", tiers={"mem": MemOptions(path=mem, cleanup=False)})
     assert b2.restore({"model": linear(3, 16, 16)}).tier == "mem"
     b2.close()
     _plant_owner(b_dir, _dead_pid())

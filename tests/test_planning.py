@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import stepvault
+from stepvault.manager.options import GCOptions, ManagerOptions
 from stepvault.ops.usage import usage_by_tier
 from stepvault.planning import PlanError, plan, plan_json
 from stepvault.planning import interval as iv
@@ -228,7 +229,7 @@ def _train(root, *, total=100, keep=None, tier_policy=None, tiers=None, run="r")
         save=Every(steps=5),
         keep=keep,
         async_save=False,
-        gc_grace_seconds=0,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
         tiers=tiers,
         tier_policy=tier_policy,
     )

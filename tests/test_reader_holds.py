@@ -20,6 +20,7 @@ from stepvault import CheckpointManager, KeepLast
 from stepvault.catalog import apply_retention, checkpoint_records
 from stepvault.cli.main import app
 from stepvault.errors import CheckpointNotFoundError
+from stepvault.manager.options import GCOptions, ManagerOptions
 from stepvault.store import Store
 from stepvault.store.reader_holds import PREFIX, acquire_hold, live_holds
 from stepvault.tiers import MoveAfter, Tiers, TierSpec, apply_tier_policy
@@ -45,7 +46,9 @@ print("released", flush=True)
 
 def test_a_reader_process_holds_a_checkpoint_against_the_trainers_keep_policy(tmp_path):
     m = linear()
-    with CheckpointManager(tmp_path, "r", keep=KeepLast(1), gc_grace_seconds=0) as mgr:
+    with CheckpointManager(
+        tmp_path, "r", keep=KeepLast(1), options=ManagerOptions(gc=GCOptions(grace_seconds=0))
+    ) as mgr:
         mgr.save(1, {"model": m}, force=True)
         mgr.wait()
         reader = subprocess.Popen(

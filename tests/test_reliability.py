@@ -21,6 +21,7 @@ import stepvault
 from stepvault.catalog.events import read_events
 from stepvault.cli.main import app
 from stepvault.format.objects import encode_object
+from stepvault.manager.options import ManagerOptions
 
 # -- no pickle, proven -----------------------------------------------------------------
 
@@ -260,7 +261,7 @@ def test_disk_full_training_continues(small_fs, async_save):
     filler = small_fs / "filler"
     state = {"w": torch.zeros(100_000)}  # 400 KB per checkpoint
     with stepvault.CheckpointManager(
-        small_fs, "r", on_save_error="warn", async_save=async_save
+        small_fs, "r", options=ManagerOptions(on_save_error="warn"), async_save=async_save
     ) as mgr:
         mgr.save(1, state)
         mgr.wait()

@@ -29,6 +29,7 @@ import stepvault
 from stepvault import CheckpointManager
 from stepvault.errors import CheckpointNotFoundError, StateMismatchError
 from stepvault.integrations._common import read_checkpoint
+from stepvault.manager.options import MemOptions
 from stepvault.store import Store
 from stepvault.tiers import CopyEvery
 
@@ -122,16 +123,15 @@ def _save_mem(root: Path, run: str, steps: Iterable[tuple[int, dict[str, Any]]])
     mgr = CheckpointManager(
         root,
         run,
-        tiers={"mem": str(_mem_root(root))},
+        tiers={"mem": MemOptions(path=_mem_root(root), cleanup=False)},
         tier_policy=CopyEvery("hot", steps=1000),
         lineage=False,
-        mem_cleanup=False,
     )
     for step, state in steps:
         mgr.save(step, state, force=True)
         mgr.wait()
     path = Path(mgr.mem_tier.path)
-    mgr.close()  # keeps the memory copy (mem_cleanup=False): a restart reads it
+    mgr.close()  # keeps the memory copy (MemOptions(cleanup=False)): a restart reads it
     return path
 
 
@@ -146,7 +146,7 @@ def _restore_manager(root: Path, run: str, state: dict[str, Any]) -> Any:
 
 def _restore_mem_manager(root: Path, run: str, state: dict[str, Any]) -> Any:
     with CheckpointManager(
-        root, run, tiers={"mem": str(_mem_root(root))}, lineage=False, mem_cleanup=False
+        root, run, tiers={"mem": MemOptions(path=_mem_root(root), cleanup=False)}, lineage=False
     ) as mgr:
         return mgr.restore(state)
 

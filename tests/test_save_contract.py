@@ -52,6 +52,7 @@ from stepvault.errors import LeaseLostError, UnsupportedTypeError
 from stepvault.format import Manifest, parse_manifest
 from stepvault.format.objects import parse_header
 from stepvault.format.xor_codec import chain_of
+from stepvault.manager.options import LeaseOptions, ManagerOptions, MemOptions
 from stepvault.store import Store
 from stepvault.store.lease import Lease
 from stepvault.store.local import LocalBackend
@@ -101,7 +102,7 @@ def _mem_manager(root: Path, run: str) -> Writer:
     """Every save into node memory and then the hot store (the default tier policy); the
     memory copies kept after close, to be checked like any store."""
     mem = root.parent / f"{root.name}-shm"
-    return _ManagerWriter(root, run, tiers={"mem": str(mem)}, mem_cleanup=False)
+    return _ManagerWriter(root, run, tiers={"mem": MemOptions(path=mem, cleanup=False)})
 
 
 @dataclass
@@ -379,7 +380,13 @@ def test_a_commit_after_another_process_took_the_run_over_is_refused(
     async_save: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "ck"
-    mgr = CheckpointManager(root, RUN, async_save=async_save, lease_stale_after=1.0, lineage=False)
+    mgr = CheckpointManager(
+        root,
+        RUN,
+        async_save=async_save,
+        options=ManagerOptions(lease=LeaseOptions(stale_after=1.0)),
+        lineage=False,
+    )
     state = _state()
     _train(state, 1)
     mgr.save(1, state, force=True)

@@ -26,6 +26,7 @@ from stepvault.engine.gc import referenced_objects, sweep
 from stepvault.format import manifest as manifest_format
 from stepvault.format import parse_manifest
 from stepvault.manager import sweeping
+from stepvault.manager.options import GCOptions, ManagerOptions
 from stepvault.ops import usage, verify
 from stepvault.store import Store
 
@@ -139,8 +140,8 @@ def test_requests_per_unchanged_save_do_not_grow_with_the_run():
         for name in ("read_bytes", "read_range", "read_many", "put_atomic", "exists", "list"):
             method = getattr(backend, name)
 
-            def wrapped(*a, _m=method, _n=name, **k):
-                calls[_n] += 1
+            def wrapped(*a, _m=method, _n=name, _calls=calls, **k):
+                _calls[_n] += 1
                 return _m(*a, **k)
 
             setattr(backend, name, wrapped)
@@ -170,7 +171,11 @@ def test_retention_reads_no_other_run_and_the_sweep_comes_later(
     sweeping.sweep = recording_sweep
     try:
         with stepvault.CheckpointManager(
-            tmp_path, "r", keep=stepvault.KeepLast(2), async_save=False, gc_grace_seconds=0
+            tmp_path,
+            "r",
+            keep=stepvault.KeepLast(2),
+            async_save=False,
+            options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
         ) as mgr:
             for step in range(1, 6):
                 with torch.no_grad():
@@ -202,9 +207,12 @@ def test_enough_deletions_are_swept_in_the_background(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sweeping, "sweep", recording_sweep)
     with stepvault.CheckpointManager(
-        tmp_path, "r", keep=stepvault.KeepLast(1), async_save=True, gc_grace_seconds=0
+        tmp_path,
+        "r",
+        keep=stepvault.KeepLast(1),
+        async_save=True,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0, sweep_after_deletions=2)),
     ) as mgr:
-        mgr._sweeper.after_deletions = 2
         for step in range(1, 4):
             with torch.no_grad():
                 state["model"].weight.add_(1.0)
@@ -225,7 +233,7 @@ def test_the_mark_reads_recorded_object_lists_and_never_loses_a_live_object(tmp_
     for step in range(1, 6):
         stepvault.save(tmp_path, _state(step), run="r", step=step)
     store = Store.open(tmp_path)
-    live, unreadable = referenced_objects(store)
+    _, unreadable = referenced_objects(store)
     assert not unreadable and sum(count_parses.values()) == 0  # every list was recorded
     # Step 3 rewritten with other tensors (overwrite=True): its new manifest is not in the
     # recorded lists under its old checksum, so it is parsed, and its objects are live.

@@ -18,7 +18,7 @@ from stepvault import CheckpointManager
 from stepvault.engine import staging_area
 from stepvault.engine.background import BackgroundWriter
 from stepvault.engine.device_copy import DeviceCopies
-from stepvault.manager.options import ManagerOptions, parse_size
+from stepvault.manager.options import ManagerOptions, StagingOptions, parse_size
 from stepvault.policy import Every
 from stepvault.store import Store
 
@@ -60,7 +60,7 @@ def _assert_off_thread(allocations, mgr, state) -> None:
     me = threading.current_thread().name
     assert allocations and all(name != me for name, _ in allocations), allocations
     assert all(name.startswith("stepvault-staging") for name, _ in allocations)
-    areas = mgr._staging._areas
+    areas = mgr._p.staging._areas
     assert areas and all(a.prepared_by.startswith("stepvault-staging") for a in areas)
     assert mgr.stats()["staging_bytes"] >= _state_bytes(state)
 
@@ -145,7 +145,11 @@ def test_budget_allows_several_saves_in_flight_and_is_never_exceeded(
     state = _state(4)
     size = _state_bytes(state)
     budget = int(3.5 * size)
-    with CheckpointManager(tmp_path, "r", staging_memory=budget, if_busy="skip") as mgr:
+    with CheckpointManager(
+        tmp_path,
+        "r",
+        options=ManagerOptions(staging=StagingOptions(memory=budget, if_busy="skip")),
+    ) as mgr:
         mgr.prepare(state, wait=True)
         handles = []
         for step in (1, 2, 3):
@@ -170,9 +174,11 @@ def test_budget_allows_several_saves_in_flight_and_is_never_exceeded(
 
 def test_a_state_over_the_budget_is_saved_synchronously_with_a_warning(tmp_path, allocations):
     state = _state(2)
-    with CheckpointManager(tmp_path, "r", staging_memory="1MiB") as mgr:
+    with CheckpointManager(
+        tmp_path, "r", options=ManagerOptions(staging=StagingOptions(memory="1MiB"))
+    ) as mgr:
         mgr.prepare(state, wait=True)
-        with pytest.warns(RuntimeWarning, match="staging_memory"):
+        with pytest.warns(RuntimeWarning, match=r"StagingOptions\(memory="):
             first = mgr.save(1, state)
         second = mgr.save(2, state)
         assert not first.asynchronous and not second.asynchronous
@@ -206,10 +212,10 @@ def test_staging_memory_sizes_are_parsed_and_checked():
     assert parse_size("x", "512MiB") == 512 << 20
     assert parse_size("x", "1.5 GiB") == 3 << 29
     assert parse_size("x", 4096) == 4096
-    assert ManagerOptions(staging_memory="2KB").staging_memory == 2000
+    assert StagingOptions(memory="2KB").memory == 2000
     for bad in ("8 gigs", -1, True, "GB", 1.5):
-        with pytest.raises(ValueError, match=r"staging_memory must be .* such as '8GB'"):
-            ManagerOptions(staging_memory=bad)
+        with pytest.raises(ValueError, match=r"staging memory must be .* such as '8GB'"):
+            StagingOptions(memory=bad)
 
 
 def test_background_writer_keeps_several_jobs_in_order():
@@ -407,7 +413,7 @@ def test_moments_that_appear_while_the_first_preparation_runs_are_prepared_too(
             opt.zero_grad()
             if step == 3:
                 release.set()
-                mgr._staging.wait_prepared(30)
+                mgr._p.staging.wait_prepared(30)
             handles[step] = mgr.save(step, state)
         assert handles[1] is None and handles[2] is None
         assert handles[3] is not None and handles[3].asynchronous

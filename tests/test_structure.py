@@ -10,6 +10,13 @@ import stepvault
 from stepvault import CheckpointManager, KeepBest
 from stepvault.catalog import CheckpointRecord, choose_candidates
 from stepvault.format import manifest as manifest_format
+from stepvault.manager.options import (
+    GCOptions,
+    LeaseOptions,
+    ManagerOptions,
+    MemOptions,
+    StagingOptions,
+)
 from stepvault.store import Store
 
 
@@ -20,23 +27,39 @@ def _state(seed: int = 0) -> dict:
 
 
 @pytest.mark.parametrize(
-    "option, value, message",
+    "kwargs, message",
     [
-        ("codec", "zst", "codec must be one of"),
-        ("if_busy", "drop", "if_busy must be"),
-        ("gc_grace_seconds", -1, "gc_grace_seconds"),
-        ("lease_stale_after", 0, "lease_stale_after"),
-        ("workers", 0, "workers"),
-        ("total_steps", True, "total_steps"),
+        (lambda: {"codec": "zst"}, "codec must be one of"),
+        (lambda: {"total_steps": True}, "total_steps"),
+        (lambda: {"options": ManagerOptions(workers=0)}, "workers"),
+        (lambda: {"options": {"workers": 2}}, "options must be a stepvault ManagerOptions"),
+        (lambda: {"tiers": {"mem": MemOptions(budget="lots")}}, "mem budget"),
+        (lambda: {"tiers": {"mem": 3}}, "tiers\\['mem'\\] must be"),
     ],
 )
-def test_bad_option_fails_at_construction_before_the_store_is_touched(
-    tmp_path, option, value, message
-):
+def test_bad_option_fails_at_construction_before_the_store_is_touched(tmp_path, kwargs, message):
     root = tmp_path / "store"
-    with pytest.raises(ValueError, match=message):
-        CheckpointManager(root, "r", **{option: value})
+    with pytest.raises((ValueError, TypeError), match=message):
+        CheckpointManager(root, "r", **kwargs())
     assert not root.exists()  # nothing created, no lease left behind
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: StagingOptions(if_busy="drop"), "if_busy must be"),
+        (lambda: StagingOptions(memory="lots"), "staging memory"),
+        (lambda: GCOptions(grace_seconds=-1), "grace_seconds"),
+        (lambda: GCOptions(sweep_after_deletions=0), "sweep_after_deletions"),
+        (lambda: LeaseOptions(stale_after=0), "stale_after"),
+        (lambda: ManagerOptions(on_save_error="ignore"), "on_save_error must be"),
+        (lambda: ManagerOptions(gc=0.5), "options.gc must be a stepvault GCOptions"),
+        (lambda: MemOptions(path=3), "MemOptions.path"),
+    ],
+)
+def test_each_nested_option_is_checked_when_it_is_made(make, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        make()
 
 
 def test_choose_candidates_latest_best_and_exact():

@@ -25,6 +25,7 @@ from stepvault.catalog.attachments import attach_after, checkpoint_attachments
 from stepvault.cli.main import app
 from stepvault.errors import StateMismatchError
 from stepvault.format import parse_manifest
+from stepvault.manager.options import GCOptions, ManagerOptions
 from stepvault.store import Store
 
 
@@ -192,7 +193,11 @@ def test_the_manager_thins_as_it_saves(tmp_path):
     m, opt = trained(32)
     keep = KeepLast(2) | KeepEvery(steps=4) | ThinAfter(steps=4)
     with CheckpointManager(
-        tmp_path, "r", save=Every(steps=2), keep=keep, gc_grace_seconds=0
+        tmp_path,
+        "r",
+        save=Every(steps=2),
+        keep=keep,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
     ) as mgr:
         for step in range(1, 13):
             train_step(m, opt)

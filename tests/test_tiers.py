@@ -23,6 +23,7 @@ from stepvault import CheckpointManager, ops
 from stepvault.catalog.events import read_events
 from stepvault.cli.main import app
 from stepvault.errors import CheckpointNotFoundError
+from stepvault.manager.options import GCOptions, ManagerOptions
 from stepvault.ops.usage import usage_by_tier
 from stepvault.policy import CheckpointRecord, KeepLast
 from stepvault.store import Store
@@ -113,7 +114,11 @@ def test_manager_moves_in_background_and_restores_from_any_tier(tmp_path):
     saved = {}
     policy = HotLast(2) | CopyEvery("archive", steps=5) | ArchiveProtected("archive")
     with CheckpointManager(
-        hot, "r", tiers={"archive": cold}, tier_policy=policy, gc_grace_seconds=0
+        hot,
+        "r",
+        tiers={"archive": cold},
+        tier_policy=policy,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0)),
     ) as mgr:
         for step in range(1, 13):
             with torch.no_grad():

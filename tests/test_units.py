@@ -14,7 +14,7 @@ import stepvault
 from stepvault._units import format_time, human_bytes, parse_duration, parse_size
 from stepvault.cli.main import app
 from stepvault.errors import PlanError
-from stepvault.manager.options import ManagerOptions
+from stepvault.manager.options import StagingOptions
 from stepvault.planning import plan
 
 
@@ -31,7 +31,7 @@ def test_one_size_grammar():
 
 def test_sizes_mean_the_same_to_the_manager_and_the_planner():
     # "1e9" was refused by the manager and taken by the planner; now both take it
-    assert ManagerOptions(staging_memory="1e9").staging_memory == 10**9
+    assert StagingOptions(memory="1e9").memory == 10**9
     p = plan(size="1e9", mtbf="24h", save_cost=60, step_time=2, total_steps=10, simulate_trials=0)
     assert p.inputs["sizes"]["value"]["full"]["stored_bytes"] == 10**9
     with pytest.raises(PlanError, match="--size"):

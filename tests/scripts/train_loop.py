@@ -15,6 +15,7 @@ import torch
 from blake3 import blake3
 
 import stepvault
+from stepvault.manager.options import GCOptions, ManagerOptions
 from stepvault.policy import Every, KeepLast, OnSignal
 
 
@@ -83,7 +84,7 @@ def main() -> int:
         save=Every(steps=args.save_every) | OnSignal(),
         keep=KeepLast(3),
         async_save=not args.sync,
-        gc_grace_seconds=0.0,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0.0)),
         total_steps=args.steps,
         **_tier_options(args.cold, args.mem, args.disk_every),
     )

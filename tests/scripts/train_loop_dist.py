@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import stepvault
+from stepvault.manager.options import GCOptions, ManagerOptions
 from stepvault.policy import Every, KeepLast
 
 
@@ -86,7 +87,7 @@ def main() -> int:
         save=Every(steps=args.save_every),
         keep=KeepLast(2),
         async_save=True,
-        gc_grace_seconds=0.0,
+        options=ManagerOptions(gc=GCOptions(grace_seconds=0.0)),
     )
     info = mgr.restore(state)
     if rank == 0:

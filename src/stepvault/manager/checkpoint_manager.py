@@ -1,23 +1,20 @@
 """``CheckpointManager``: the one object a training loop talks to.
 
-It is a coordinator: it decides *when* to save (save policy), hands a due save to the save
-pipeline (:mod:`.saving`: only the copy into reusable host buffers happens on the training
-thread), runs the after-commit hooks (:mod:`.hooks`: retention and GC, the tier mover),
-restores through the restore planner (:mod:`.restoring`) and records every save, restore,
-deletion and failure in the store's event log. What differs between one process and every
-rank of a process group is one strategy object chosen at construction (:mod:`.scope`).
+It decides *when* to save (the save policy, agreed across ranks under a process group)
+and hands everything else to its pipeline (:mod:`.pipeline`), built once at construction:
+the save pipeline (only the copy into reusable host buffers happens on the training
+thread), the after-commit hooks (retention, the tier mover), GC off the commit path, the
+restore planner and the lease. What differs between one process and every rank of a
+process group is one strategy object chosen at construction (:mod:`.scope`).
 
-(Its length is the public class and its documented options; the work is in the modules
-named above.)
+(Its length is the public class, its documented parameters and the save decision; the
+work is in the modules named above.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import threading
 import time
-import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
@@ -27,25 +24,17 @@ from ..catalog.lineage import Lineage
 from ..catalog.refs import newest_full_step
 from ..catalog.vault import Vault
 from ..core.info import RestoreInfo, SaveInfo
-from ..core.light import LightOptions
-from ..core.write import open_store_for_writing
-from ..engine.background import BackgroundWriter
-from ..engine.gc import DEFAULT_GRACE_SECONDS
-from ..engine.staging_pool import StagingPool
-from ..errors import LeaseLostError, NoValidCheckpointError, StepvaultError
+from ..errors import NoValidCheckpointError, StepvaultError
 from ..policy import KeepPolicy, RetentionPlan, SaveContext, SaveDecision, SavePolicy
 from ..store import Store, validate_run_name, validate_step
-from ..store.lease import DEFAULT_STALE_AFTER
 from ..store.signing import Signer
-from .hooks import NotifyMover, Retention, tracked_best
-from .options import IfBusy, ManagerOptions
-from .preparing import RESERVE, readable_part, still_growing
-from .restoring import ManagerRestorer
-from .saving import AfterCommit, CollectiveWriter, LocalWriter, SavePipeline
-from .scope import choose_scope
-from .session import RunSession
+from ..tiers.mem import MemTier
+from ..tiers.mover import TierMover
+from .options import ManagerOptions, RunSettings
+from .pipeline import build_pipeline
+from .preparing import Preparer
+from .saving import LocalWriter
 from .stats import SaveHandle
-from .sweeping import Sweeper
 
 
 class _SaveAlways(SavePolicy):
@@ -76,55 +65,44 @@ class CheckpointManager:
         root: store location (created when absent).
         run: run name; one manager at a time may write it (a lease in the store).
         save: save policy (default: every ``save()`` call saves).
-        keep: keep policy applied after every save (default: keep everything).
+        keep: keep policy applied after every save (default: keep everything). It deletes
+            manifests; their objects are swept off the commit path (``GCOptions``).
+        tiers: more places to keep checkpoints, name -> where. Cold tiers: a URL/path
+            (``{"archive": "s3://bucket/ckpts"}``), recorded in the store so restores and
+            the CLI find them (default: those recorded). ``"mem"``: node shared memory,
+            written first and read first (``True``, a tmpfs path, or a
+            :class:`~stepvault.manager.options.MemOptions` with its budget, cleanup and
+            replication to a buddy node). See STORAGE.md.
+        tier_policy: where checkpoints live, e.g. ``HotLast(3) | CopyEvery("archive",
+            steps=5)``; a background mover applies it after each commit (training never
+            waits; ``close()`` lets it finish). Restores read from any tier, memory and hot
+            first.
         async_save: write in a background thread; training waits only for the copy of
             tensors into reusable host buffers. The buffers are allocated and pre-faulted
             in the background as soon as the manager sees the state (``restore()``, a
             ``save()`` call that is not due, or :meth:`prepare`); a save due before they
             are ready is written synchronously (it stalls as long as a synchronous save).
-        staging_memory: host memory for those buffers, bytes or a size (``"8GB"``,
-            ``"512MiB"``). Each save in flight holds one copy of the state, so up to
-            ``staging_memory // state size`` saves (at most 4) may be in flight; when
-            that many are, a due save waits for the oldest (or is skipped with
-            ``if_busy="skip"``). A state larger than the budget is saved synchronously,
-            with a warning. Default: one copy (one save in flight).
-        if_busy: when a save is due while the previous one is still writing: ``"wait"``
-            for it (default) or ``"skip"`` this one (counted in ``stats()``).
+            Their budget and what a busy writer does: ``ManagerOptions.staging``.
         codec: chunk codec for this run's saves (default: the store's setting).
+        total_steps: lets ``LastStep()`` fire.
         best_metric, best_mode: what "best" means for ``restore(step="best")`` and
             ``best_step`` (default: the metric of the first KeepBest in ``keep``).
-        total_steps: lets ``LastStep()`` fire.
-        gc_grace_seconds: unreferenced objects younger than this are never swept (they
-            may belong to a save in flight in another process).
-        lease_stale_after: seconds without a heartbeat after which another process may
-            take over the run's lease (a crashed writer on this host is taken over at once).
-        prometheus: True (default registry) or a ``CollectorRegistry`` to export metrics.
-        on_save_error: ``"raise"`` (default) a failed save on the training thread, or
-            ``"warn"``: emit a RuntimeWarning, log the event and let training go on (e.g. a
-            full disk: better to keep training and retry at the next save).
+        collective: None (default) makes the manager collective under a process group
+            (every rank calls ``save``). ``False`` makes it rank-local: for trainers that
+            save a replicated (DDP) model from rank 0 only (Lightning, the HF Trainer);
+            sharded DTensor state is then refused.
         lineage: a :class:`~stepvault.registry.Lineage` (``Lineage.capture(config, data=...,
             parent="base@1000")``) linked from every manifest; by default the git commit and
             environment are captured; ``False`` records nothing.
         signer: a :class:`~stepvault.signing.Signer` that signs every manifest (default:
             ``$STEPVAULT_SIGNING_KEY`` when set).
-        tiers: cold tiers, name -> URL/path (``{"archive": "s3://bucket/ckpts"}``), recorded
-            in the store so restores and the CLI find them (default: those recorded).
-        tier_policy: where checkpoints live, e.g. ``HotLast(3) | CopyEvery("archive",
-            steps=5)`` (:mod:`stepvault.tiers`); a background mover applies it after each
-            commit (training never waits; ``close()`` lets it finish). Restores read from
-            any tier, hot first. See STORAGE.md.
-        collective: None (default) makes the manager collective under a process group
-            (every rank calls ``save``). ``False`` makes it rank-local: for trainers that
-            save a replicated (DDP) model from rank 0 only (Lightning, the HF Trainer);
-            sharded DTensor state is then refused.
-        light: how light saves (``what="light"`` in the save policy, or
-            ``save(kind="light")``) encode the state: a :class:`~stepvault.LightOptions`.
-        resume_from_light: let ``restore("latest")`` take a light checkpoint (lossy:
-            ``info.lossy``) when it is newer than every full one (default: full ones only).
-        replicate: under a process group with a mem tier (``tiers={"mem": True}``): every
-            rank also saves its own state into its node's memory at each save, replicated
-            in the background to a buddy node; ``restore()`` reads own memory, then the
-            buddy's, then disk (:mod:`stepvault.manager.rank_memory`, STORAGE.md).
+        prometheus: True (default registry) or a ``CollectorRegistry`` to export metrics.
+        options: everything else, typed and nested
+            (:class:`~stepvault.manager.options.ManagerOptions`): ``staging`` (host memory
+            for async saves, ``if_busy``), ``gc`` (grace period, when to sweep), ``lease``
+            (when a silent writer's run may be taken over), ``workers``, ``on_save_error``
+            (``"warn"``: a failed save warns and training goes on), ``light`` (how light
+            saves encode), ``resume_from_light``.
     """
 
     def __init__(
@@ -134,204 +112,119 @@ class CheckpointManager:
         *,
         save: SavePolicy | None = None,
         keep: KeepPolicy | None = None,
-        async_save: bool = True,
-        if_busy: IfBusy = "wait",
-        codec: str | None = None,
-        best_metric: str | None = None,
-        best_mode: Literal["min", "max"] = "min",
-        total_steps: int | None = None,
-        gc_grace_seconds: float = DEFAULT_GRACE_SECONDS,
-        lease_stale_after: float = DEFAULT_STALE_AFTER,
-        workers: int | None = None,
-        prometheus: Any = False,
-        on_save_error: Literal["raise", "warn"] = "raise",
-        lineage: Lineage | Literal[False] | None = None,
-        signer: Signer | None = None,
         tiers: Mapping[str, Any] | None = None,
         tier_policy: Any = None,
+        async_save: bool = True,
+        codec: str | None = None,
+        total_steps: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
         collective: bool | None = None,
-        staging_memory: int | str | None = None,
-        mem_budget: int | str | None = None,
-        mem_cleanup: bool = True,
-        light: LightOptions | None = None,
-        resume_from_light: bool = False,
-        replicate: bool = False,
+        lineage: Lineage | Literal[False] | None = None,
+        signer: Signer | None = None,
+        prometheus: Any = False,
+        options: ManagerOptions | None = None,
     ) -> None:
         # Every option is checked here, before the store is touched.
-        self.options = opts = ManagerOptions(
+        self._settings = RunSettings(
+            options if options is not None else ManagerOptions(),
             async_save=async_save,
-            if_busy=if_busy,
             codec=codec,
+            total_steps=total_steps,
             best_metric=best_metric,
             best_mode=best_mode,
-            total_steps=total_steps,
-            gc_grace_seconds=gc_grace_seconds,
-            lease_stale_after=lease_stale_after,
-            workers=workers,
-            on_save_error=on_save_error,
-            collective=collective,
-            staging_memory=staging_memory,
-            mem_budget=mem_budget,
-            mem_cleanup=mem_cleanup,
-            light=light,
-            resume_from_light=resume_from_light,
         )
         self.run = validate_run_name(run)
         self.save_policy: SavePolicy = save if save is not None else _SaveAlways()
-        scope = choose_scope(collective)
-        self.store = open_store_for_writing(root)
-        if signer is not None:
-            self.store.signer = signer
-        # Cold tiers (recorded in the store) and, with a tier policy, the background mover
-        # (the coordinator only); restores read through the view: any tier, hot first.
-        from ..tiers.hook import setup_tiers
-        from .mem_saving import open_for_manager, split_mem
-
-        tiers, mem_target = split_mem(tiers)
-        if replicate and (mem_target is None or not scope.collective):
-            raise ValueError(
-                "replicate=True copies every rank's memory checkpoints to a buddy node: it "
-                "needs a mem tier (tiers={'mem': True}) and a collective manager under an "
-                "initialised process group"
-            )
-        #: the mem tier (node shared memory, read first; see .mem_saving), or None
-        self.mem_tier = (
-            open_for_manager(self.store, self.run, mem_target, opts.mem_budget)  # type: ignore[arg-type]
-            if mem_target is not None
-            else None
-        )
-        view, self.tier_mover = setup_tiers(
-            self.store,
-            self.run,
-            tiers,
-            tier_policy,
-            coordinator=scope.coordinator,
-            grace_seconds=gc_grace_seconds,
-            mem=self.mem_tier.store if self.mem_tier is not None else None,
-        )
         # Lineage (config, git commit, data, environment, parent) is captured once per
         # session and linked from every manifest it commits; lineage=False records none.
         self.lineage: Lineage | None = Lineage.capture() if lineage is None else (lineage or None)
-        self._session = s = RunSession(
-            self.store, view, self.run, opts, scope, lineage=self.lineage
+        self._p = build_pipeline(
+            root,
+            self.run,
+            self._settings,
+            policy=self.save_policy,
+            keep=keep,
+            tiers=tiers,
+            tier_policy=tier_policy,
+            collective=collective,
+            lineage=self.lineage,
+            signer=signer,
+            prometheus=prometheus,
         )
-        self._lease = scope.acquire_lease(self.store, self.run, lease_stale_after)
+        self.store: Store = self._p.session.store
+        self._preparer = Preparer(
+            self._p.staging,
+            enabled=async_save and isinstance(self._p.saves.writer, LocalWriter),
+        )
         self._closed = False
-        self._best = tracked_best(keep, best_metric, best_mode)
-        self._staging = StagingPool(opts.staging_memory)  # type: ignore[arg-type]
-        self._prepared_final = False  # prepared from the state as it will be saved
-        writer = (
-            CollectiveWriter(s, async_save) if scope.collective else LocalWriter(s, self._staging)
-        )
-        self._mem_saver = None
-        if self.mem_tier is not None:
-            from .mem_saving import MemSaver, start_mem_tier
-
-            self._mem_saver = MemSaver(s, self.mem_tier, tier_policy, cleanup=mem_cleanup)
-            if replicate and isinstance(writer, CollectiveWriter):
-                from .rank_memory import RankMemory
-
-                writer.mem = RankMemory(s, self.mem_tier, tier_policy, cleanup=mem_cleanup)
-            start_mem_tier(s, self.mem_tier, writer, self._lease is not None)
-            if isinstance(writer, LocalWriter):
-                writer.mem = self._mem_saver
-        # Retention deletes manifests after each commit; their objects are swept off the
-        # commit path (.sweeping), by the coordinator (the one that applies retention).
-        self._sweeper = Sweeper(s) if scope.coordinator else None
-        self._retention = Retention(s, keep, self._best, self.tier_mover, self._sweeper)
-        hooks: list[AfterCommit] = [self._retention]
-        if self.tier_mover is not None:
-            hooks.append(NotifyMover(self.tier_mover))
-        self._pipeline = SavePipeline(s, writer, BackgroundWriter() if async_save else None, hooks)
-        self._restorer = ManagerRestorer(s, self._best)
-        self._restorer.memory = getattr(writer, "mem", None) if scope.collective else None
         self._last_save_step: int | None = None
         self._last_save_time: float | None = None
         self._save_cost: float | None = None
         self._pending_decision: tuple[tuple[int, int | None], SaveDecision | None] | None = None
-        self._heartbeat_error: BaseException | None = None
-        if prometheus:
-            from .metrics import PrometheusMetrics
 
-            s.metrics = PrometheusMetrics(self.run, None if prometheus is True else prometheus)
-        try:
-            self.save_policy.install()
-        except BaseException:
-            if self._lease is not None:
-                self._lease.release()
-            raise
-        self._stop = threading.Event()
-        if self._lease is not None:
-            self._heartbeat = threading.Thread(
-                target=self._heartbeat_loop,
-                args=(lease_stale_after / 3,),
-                daemon=True,
-                name="stepvault-lease",
-            )
-            self._heartbeat.start()
+    # ----------------------------------------------------------------------- settings
+    @property
+    def options(self) -> ManagerOptions:
+        """The manager's :class:`~stepvault.manager.options.ManagerOptions`."""
+        return self._settings.options
+
+    @property
+    def async_save(self) -> bool:
+        return self._settings.async_save
+
+    @property
+    def codec(self) -> str | None:
+        return self._settings.codec
 
     @property
     def keep_policy(self) -> KeepPolicy | None:
         """The keep policy applied after every save (may be replaced between saves)."""
-        return self._retention.keep
+        return self._p.retention.keep
 
     @keep_policy.setter
     def keep_policy(self, keep: KeepPolicy | None) -> None:
-        self._retention.keep = keep
+        self._p.retention.keep = keep
 
     @property
     def total_steps(self) -> int | None:
         """Total steps of the run (lets ``LastStep()`` fire); a trainer may set it once it
         knows (after a resume, say)."""
-        return self.options.total_steps
+        return self._settings.total_steps
 
     @total_steps.setter
     def total_steps(self, total: int | None) -> None:
-        self.options = dataclasses.replace(self.options, total_steps=total)  # validated
-        self._session.options = self.options
+        self._settings = RunSettings(  # validated
+            self._settings.options,
+            async_save=self._settings.async_save,
+            codec=self._settings.codec,
+            total_steps=total,
+            best_metric=self._settings.best_metric,
+            best_mode=self._settings.best_mode,
+        )
+        self._p.session.options = self._settings
 
-    # Read-only views of the options (kept as attributes for callers and the integrations).
-    async_save = property(lambda self: self.options.async_save)
-    if_busy = property(lambda self: self.options.if_busy)
-    codec = property(lambda self: self.options.codec)
-    gc_grace_seconds = property(lambda self: self.options.gc_grace_seconds)
-    workers = property(lambda self: self.options.workers)
-    on_save_error = property(lambda self: self.options.on_save_error)
+    @property
+    def mem_tier(self) -> MemTier | None:
+        """The mem tier (node shared memory), or None."""
+        return self._p.mem_tier
+
+    @property
+    def tier_mover(self) -> TierMover | None:
+        """The background mover of the tier policy (the coordinator's), or None."""
+        return self._p.mover
 
     # ----------------------------------------------------------------------------- helpers
-    def _heartbeat_loop(self, interval: float) -> None:
-        lease = self._lease
-        assert lease is not None  # the loop runs only for a lease holder
-        while not self._stop.wait(interval):
-            try:
-                lease.renew()
-            except LeaseLostError:
-                return  # lease.lost is set: the next commit and the next call refuse
-            except Exception as exc:  # the store out of reach: warned, tried again next beat
-                # Safe to go on: if the lease goes stale meanwhile and another writer takes
-                # the run over, the commit's fence (Lease.guard) refuses this writer's saves.
-                self._heartbeat_error = exc
-
     def _check(self) -> None:
         """Raise a background failure (save, lost lease) on the training thread."""
         if self._closed:
             raise StepvaultError(f"CheckpointManager for run {self.run!r} is closed")
-        if self._lease is not None and self._lease.lost is not None:
-            raise self._lease.lost  # on every call: this writer must stop
-        if self._heartbeat_error is not None:
-            exc, self._heartbeat_error = self._heartbeat_error, None
-            warnings.warn(
-                f"renewing the writer lease of run {self.run!r} failed ({exc}); retrying. If "
-                "it keeps failing the lease goes stale and another writer may take the run "
-                "over: this one's saves are then refused",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        bg = self._pipeline.bg
+        self._p.lease.check()
+        bg = self._p.saves.bg
         if bg is not None:
             failed = bg.poll_error()
             if failed is not None:
-                self._session.raise_or_warn(failed)
+                self._p.session.raise_or_warn(failed)
 
     def _context(self, step: int, epoch: int | None) -> SaveContext:
         return SaveContext(
@@ -341,7 +234,7 @@ class CheckpointManager:
             last_save_step=self._last_save_step,
             last_save_time=self._last_save_time,
             save_cost=self._save_cost,
-            total_steps=self.options.total_steps,
+            total_steps=self._settings.total_steps,
         )
 
     def _decide(self, step: int, epoch: int | None) -> SaveDecision | None:
@@ -352,7 +245,7 @@ class CheckpointManager:
         decision = self.save_policy.decide(self._context(step, epoch))
         if decision is not None and not decision.urgent and step == self._last_save_step:
             decision = None  # already saved (or just restored) at this step
-        decision = self._session.scope.agree(decision)
+        decision = self._p.session.scope.agree(decision)
         self._pending_decision = ((step, epoch), decision)
         return decision
 
@@ -401,10 +294,10 @@ class CheckpointManager:
                 exit_code=decision.exit_code if decision else None,
             )
         if decision is None:
-            self._prepare_soon(state)
+            self._preparer.soon(state)
             return None
         ctx = self._context(step, epoch)
-        handle = self._pipeline.run(
+        handle = self._p.saves.run(
             step,
             state,
             decision,
@@ -420,7 +313,7 @@ class CheckpointManager:
         self.save_policy.saved(ctx, decision)
         self._save_cost = handle.stall_seconds  # what training pays per save (Young/Daly's C)
         if decision.exit_code is not None:
-            self._session.event(
+            self._p.session.event(
                 "exit_after_save", step=step, exit_code=decision.exit_code, reason=decision.reason
             )
             self.close()
@@ -444,68 +337,27 @@ class CheckpointManager:
         framework integration passes the modules and optimizers); 1 MiB is left for the
         rest, as for an implicit preparation.
         """
-        self._prepare(state, implicit=False, wait=wait, partial=partial)
-
-    def _prepare(
-        self,
-        state: Mapping[str, Any],
-        *,
-        implicit: bool,
-        wait: bool = False,
-        partial: bool = False,
-    ) -> None:
         self._check()
-        if self._pipeline.bg is None or not isinstance(self._pipeline.writer, LocalWriter):
-            return
-        from ..state.snapshot import take_snapshot
-
-        reserve = RESERVE if partial else 0
-        # Prepared from a state that will still grow (a fresh optimizer): prepare again at
-        # a later non-due save, or the first due save would find the buffers too small.
-        self._prepared_final = not still_growing(state)
-        if implicit:  # only what a snapshot reads without effects (see .preparing)
-            state, reserve = readable_part(state)
-        # The snapshot (state_dict() calls) runs here, on the caller's thread, where the
-        # state may be read; only the allocation and page faults run in the background.
-        self._staging.prepare(take_snapshot(state, kind="full").arrays, reserve=reserve)
-        if wait:
-            self._staging.wait_prepared()
-
-    def _prepare_soon(self, state: Mapping[str, Any]) -> None:
-        # Until buffers are ready (and not while a preparation runs): a non-due save()
-        # or a restore() is the manager's first sight of the state. Once the state has
-        # its final shape (an optimizer's moments appear at its first step), once more,
-        # even while an earlier preparation runs: the pool queues it behind that one.
-        first = not self._staging.ready and not self._staging.preparing
-        again = (
-            (self._staging.ready or self._staging.preparing)
-            and not self._prepared_final
-            and not still_growing(state)
-        )
-        if first or again:
-            try:
-                self._prepare(state, implicit=True)
-            except (TypeError, ValueError):
-                pass  # a state that cannot be saved fails at its due save, with the message
+        self._preparer.prepare(state, implicit=False, wait=wait, partial=partial)
 
     def wait(self) -> SaveInfo | None:
         """Block until the save in flight (if any) is committed; raises its error
         (warns instead with ``on_save_error="warn"``)."""
-        return self._pipeline.wait()
+        return self._p.saves.wait()
 
     # ---------------------------------------------------------------------- retention
     def retention_plan(self) -> RetentionPlan:
         """What the keep policy would delete now, and which rule keeps each survivor."""
-        return self._retention.plan()
+        return self._p.retention.plan()
 
     def pin(self, step: int, note: str = "") -> None:
         """Protect ``step`` from every keep policy until :meth:`unpin`."""
         self.store.pin(self.run, step, note)
-        self._session.event("pin", step=step, note=note)
+        self._p.session.event("pin", step=step, note=note)
 
     def unpin(self, step: int) -> None:
         self.store.unpin(self.run, step)
-        self._session.event("unpin", step=step)
+        self._p.session.event("unpin", step=step)
 
     # -------------------------------------------------------------------------- restore
     def restore(
@@ -528,32 +380,13 @@ class CheckpointManager:
         """
         self._check()
         self.wait()
-        self._restorer.progress = progress
-        info = self._restorer.restore(state, step, strict=strict, assign=assign)
+        info = self._p.restorer.restore(
+            state, step, strict=strict, assign=assign, progress=progress
+        )
         if info is not None:
             self._last_save_step = info.step
-        self._prepare_soon(state)  # the state as training will save it (optimizer loaded)
+        self._preparer.soon(state)  # the state as training will save it (optimizer loaded)
         return info
-
-    @property
-    def mem_hooks(self) -> list[Any]:
-        """``hook(MemCommit)`` called after each commit into the mem tier (empty list and
-        never called without one); see :mod:`stepvault.manager.mem_saving`."""
-        return self._mem_saver.hooks if self._mem_saver is not None else []
-
-    def add_restore_source(self, name: str, store: Store, *, before: str = "hot") -> None:
-        """Restore also from ``store`` (e.g. a peer node's memory), tried just before tier
-        ``before``; everything read from it is hash-verified like any tier."""
-        from ..tiers.view import TieredView
-
-        s = self._session
-        if not isinstance(s.view, TieredView):
-            from ..tiers.config import Tiers
-
-            s.view = TieredView(Tiers(self.store, []))
-            self._restorer.session = s
-        s.view.add_source(name, store, before=before)
-        s.view_records.clear()
 
     # ----------------------------------------------------------------------- queries
     def checkpoints(self) -> list[CheckpointRecord]:
@@ -565,14 +398,14 @@ class CheckpointManager:
         """The step a plain ``restore("latest")`` starts from: the newest full checkpoint in any
         tier, or None (a step only in the mem tier or only in a cold tier counts).
         ``"latest"`` means the same everywhere (:mod:`stepvault.catalog.refs`)."""
-        return newest_full_step(self._session.view, self.run)
+        return newest_full_step(self._p.session.view, self.run)
 
     @property
     def best_step(self) -> int | None:
         """Best step by the manager's metric, or None (no metric or no scored checkpoint)."""
-        if not self._best:
+        if not self._p.best:
             return None
-        chosen = choose_candidates(self._session.records(), "best", best=self._best[0])
+        chosen = choose_candidates(self._p.session.records(), "best", best=self._p.best[0])
         return chosen.steps[0] if chosen.steps else None
 
     def events(self) -> list[dict[str, Any]]:
@@ -581,11 +414,9 @@ class CheckpointManager:
 
     def stats(self) -> dict[str, Any]:
         """Summary: saves, failures, stalls, bytes, restores and their success rate."""
-        return self._session.stats.summary(
-            self._staging.nbytes,
-            ready=self._staging.ready,
-            budget=self._staging.budget,
-            peak=self._staging.peak_bytes,
+        staging = self._p.staging
+        return self._p.session.stats.summary(
+            staging.nbytes, ready=staging.ready, budget=staging.budget, peak=staging.peak_bytes
         )
 
     # ------------------------------------------------------------------------ closing
@@ -596,36 +427,8 @@ class CheckpointManager:
         """
         if self._closed:
             return
-        error: BaseException | None = None
-        try:
-            error = self._pipeline.close()
-            if self.tier_mover is not None:
-                self.tier_mover.close()  # a last pass, while this process holds the lease
-                if self.keep_policy is not None and self._session.scope.coordinator:
-                    try:  # deletions deferred until the mover had copied those checkpoints
-                        self._retention.apply()
-                    except (StepvaultError, OSError):
-                        pass  # the next session's first save applies it
-            rank_mem = self._restorer.memory
-            if rank_mem is not None:  # collective: removed once the newest is on disk
-                rank_mem.close()
-            if self._mem_saver is not None and self._session.scope.coordinator:
-                self._mem_saver.close()  # newest mem copy to disk, then the tier removed
-            if self._sweeper is not None:
-                self._sweeper.close()  # every save is done: sweep what retention deleted
-        finally:
-            self._closed = True
-            self._stop.set()
-            if self._sweeper is not None:
-                self._sweeper.close(final=False)  # the thread stops also when close failed
-            self.save_policy.uninstall()
-            self._pipeline.writer.close()
-            self._staging.close()
-            try:
-                if self._lease is not None:
-                    self._lease.release()
-            except OSError:
-                pass
+        self._closed = True
+        error = self._p.close()  # the shutdown order is the pipeline's
         if error is not None:
             raise error
 

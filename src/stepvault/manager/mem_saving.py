@@ -17,13 +17,14 @@ save, and nothing just committed is read back. Which saves go to disk:
 ``MemLast(k)`` (``HotLast(k, tier="mem")``) keeps the ``k`` newest mem copies; the budget
 evicts older ones first (those already on disk before those only in memory, each eviction
 logged). On ``close()`` the newest mem checkpoint is copied to disk if it is not there,
-then (``mem_cleanup=True``) the mem tier is removed.
+then (``MemOptions(cleanup=True)``, the default) the mem tier is removed.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,25 +35,29 @@ from ..core.write import write_manifest
 from ..engine.writer import ChunkDigests
 from ..errors import StepvaultError
 from ..format import Manifest
+from ..format.record import CheckpointRecord
 from ..policy import CopyEvery, HotLast, TierAny, TierPolicy
+from ..store import Store
 from ..tiers.mem import MemTier
+from .options import MemOptions
 from .session import RunSession
 
 
 @dataclass(frozen=True)
-class MemCommit:
-    """A checkpoint just committed into the mem tier (what a replica needs to know)."""
+class MemRun:
+    """What a :class:`MemSaver` needs of the run it saves for: the hot store and run whose
+    steps count as "on disk", their records, and where its events go. The manager's
+    session gives one (:meth:`of`); a rank's own memory gives one whose events say the
+    rank (``rank_memory.py``)."""
 
+    store: Store
     run: str
-    step: int
-    store: Any  # the mem tier's Store
-    digests: frozenset[str]
-    manifest_bytes: bytes
-    seconds: float
+    records: Callable[[], list[CheckpointRecord]]
+    event: Callable[..., None]
 
-
-#: ``hook(commit)``, called on the writer thread right after a mem commit.
-MemHook = Callable[[MemCommit], None]
+    @staticmethod
+    def of(session: RunSession) -> MemRun:
+        return MemRun(session.store, session.run, session.records, session.event)
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ class MemSaver:
 
     def __init__(
         self,
-        session: RunSession,
+        session: MemRun,
         mem: MemTier,
         policy: TierPolicy | None,
         *,
@@ -119,8 +124,6 @@ class MemSaver:
             rules.disk_interval,
         )
         self.cleanup = cleanup
-        #: ``hook(MemCommit)`` after each mem commit (replication plugs in here)
-        self.hooks: list[MemHook] = []
         #: the newest mem commit: its object table spares reading its manifest back
         self._parent: Manifest | None = None
         #: wall time of the newest save sent to disk (None: read from the hot store)
@@ -160,7 +163,7 @@ class MemSaver:
         ``digests`` are the chunk digests of ``host`` shared with the save's disk write, so
         that each chunk is hashed once per save. Nothing is read back from the mem store:
         the previous mem commit's object table is kept (the parent's chunks are reused
-        without reading its manifest), and the hooks get the manifest bytes as committed."""
+        without reading its manifest)."""
         s, mem = self.session, self.mem
         need = _estimate(host, int(mem.store.settings.get("chunk_size", 32 << 20)))
         with mem.lock:
@@ -177,7 +180,6 @@ class MemSaver:
                 return None, {"tier": "hot", "mem": "over budget"}
             m = copy.deepcopy(manifest)
             t0 = time.perf_counter()
-            committed: list[bytes] = []
             try:
                 self._copy_attachments(m)
                 info = write_manifest(
@@ -188,7 +190,6 @@ class MemSaver:
                     overwrite=True,
                     parent=self._parent,
                     digests=digests,
-                    after_commit=lambda _m, data: committed.append(data),
                 )
             except (StepvaultError, OSError) as exc:
                 # A full or failing tmpfs must not cost the save: it still goes to disk.
@@ -202,12 +203,6 @@ class MemSaver:
             seconds = time.perf_counter() - t0
             self._parent = m  # the next mem save reuses its object table
             self._keep_last(on_disk)
-        if self.hooks:
-            commit = MemCommit(
-                m.run, m.step, mem.store, frozenset(m.objects), committed[0], seconds
-            )
-            for hook in self.hooks:
-                hook(commit)
         return info, {"mem_seconds": seconds, "mem_bytes": mem.used_bytes()}
 
     def _copy_attachments(self, m: Manifest) -> None:
@@ -250,55 +245,34 @@ class MemSaver:
             s.event("mem_removed", path=mem.path)
 
 
-def split_mem(tiers: Any) -> tuple[Any, Any]:
-    """``(tiers without "mem", the "mem" value or None)``: ``tiers={"mem": True}`` (the
-    default root) or ``{"mem": "/path/to/tmpfs"}`` turns the mem tier on."""
-    if not tiers or "mem" not in tiers:
-        return tiers, None
-    rest = {k: v for k, v in tiers.items() if k != "mem"}
-    target = tiers["mem"]
-    if target is False or target is None:
-        return rest, None
-    if (
-        target is not True
-        and not isinstance(target, str | bytes)
-        and not hasattr(target, "__fspath__")
-    ):
-        raise ValueError(
-            f"tiers['mem'] must be True (the default root, $STEPVAULT_MEM_ROOT or "
-            f"/dev/shm/stepvault) or a tmpfs directory, got {target!r}"
-        )
-    return rest, target
-
-
-def open_for_manager(session_store: Any, run: str, target: Any, budget: int | None) -> MemTier:
-    """The mem tier of a manager writing ``run`` to ``session_store``."""
-    import os
-
+def open_for_manager(store: Store, run: str, options: MemOptions) -> MemTier:
+    """The mem tier of a manager writing ``run`` to ``store``, as ``options`` say."""
     from ..tiers.mem import open_mem_tier
 
-    root = None if target is True else os.fsdecode(os.fspath(target))
-    return open_mem_tier(session_store, run, root=root, budget=budget)
+    root = None if options.path is None else os.fsdecode(os.fspath(options.path))
+    return open_mem_tier(store, run, root=root, budget=options.budget)  # type: ignore[arg-type]
 
 
-def start_mem_tier(session: RunSession, mem: MemTier, writer: Any, owner: bool) -> None:
-    """Claim the mem tier for this process (the lease holder) and reclaim stale mem tiers
-    of dead jobs under the same root; a collective (DCP) writer does not write into it.
-    (Under a process group with replication, the first rank of every node has reclaimed
-    its node's already: ``rank_memory.RankMemory``.)"""
+def start_mem_tier(
+    session: RunSession, mem: MemTier, *, owner: bool, replicated: bool, writes: bool
+) -> None:
+    """Claim the mem tier for this process (the lease holder, ``owner``) and reclaim stale
+    mem tiers of dead jobs under the same root. Under a process group with replication the
+    first rank of every node has reclaimed its node's already (``rank_memory.RankMemory``);
+    a collective manager without it only reads the tier (``writes=False``), and says so."""
     from ..tiers.mem import reclaim_stale
 
     if owner:
         mem.claim()
-    if owner and getattr(getattr(writer, "mem", None), "replicator", None) is None:
+    if owner and not replicated:
         try:
             for gone in reclaim_stale(mem.root):
                 session.event("mem_reclaimed", path=gone.path, reason=gone.reason)
         except OSError:
             pass  # another job's directory we cannot read: left alone
-    if not hasattr(writer, "mem"):
+    if not writes:
         session.event(
             "mem_tier_unused",
             reason="multi-rank (DCP) saves are written to the hot store; the mem tier is "
-            "read by restores only",
+            "read by restores only (MemOptions(replicate=True) saves every rank's state)",
         )

@@ -57,3 +57,55 @@ def still_growing(state: Mapping[str, Any]) -> bool:
         return False
 
     return lazy(state)
+
+
+class Preparer:
+    """Gets an async manager's staging buffers ready before its first due save.
+
+    ``prepare`` (explicit) snapshots what it is given; ``soon`` (a non-due ``save()`` or a
+    ``restore()``, the manager's first sight of the state) only the readable part, until
+    buffers are ready, and once more when the state reached its final shape (an optimizer's
+    moments appear at its first step), queued behind a preparation still running.
+    ``enabled`` is False where nothing is staged (synchronous or collective managers).
+    """
+
+    def __init__(self, staging: Any, *, enabled: bool) -> None:
+        self.staging = staging
+        self.enabled = enabled
+        self._final = False  # prepared from the state as it will be saved
+
+    def prepare(
+        self,
+        state: Mapping[str, Any],
+        *,
+        implicit: bool,
+        wait: bool = False,
+        partial: bool = False,
+    ) -> None:
+        if not self.enabled:
+            return
+        from ..state.snapshot import take_snapshot
+
+        reserve = RESERVE if partial else 0
+        # Prepared from a state that will still grow (a fresh optimizer): prepare again at
+        # a later non-due save, or the first due save would find the buffers too small.
+        self._final = not still_growing(state)
+        if implicit:  # only what a snapshot reads without effects
+            state, reserve = readable_part(state)
+        # The snapshot (state_dict() calls) runs here, on the caller's thread, where the
+        # state may be read; only the allocation and page faults run in the background.
+        self.staging.prepare(take_snapshot(state, kind="full").arrays, reserve=reserve)
+        if wait:
+            self.staging.wait_prepared()
+
+    def soon(self, state: Mapping[str, Any]) -> None:
+        staging = self.staging
+        first = not staging.ready and not staging.preparing
+        again = (
+            (staging.ready or staging.preparing) and not self._final and not still_growing(state)
+        )
+        if first or again:
+            try:
+                self.prepare(state, implicit=True)
+            except (TypeError, ValueError):
+                pass  # a state that cannot be saved fails at its due save, with the message

@@ -1,5 +1,6 @@
 """The mem tier under a process group: every rank's own state in its node's memory,
-replicated to a buddy node (``CheckpointManager(..., tiers={"mem": True}, replicate=True)``).
+replicated to a buddy node
+(``CheckpointManager(..., tiers={"mem": MemOptions(replicate=True)})``).
 
 At each save every rank copies its rank-local state into host memory on the training
 thread (the only stall it adds; sharded DTensor state as its local shards, see
@@ -41,7 +42,7 @@ from ..format import Manifest
 from ..policy import SaveDecision
 from ..state.snapshot import take_snapshot
 from ..tiers.mem import MemTier, mem_dir, open_mem_tier, reclaim_stale, write_owner
-from .mem_saving import MemSaver, _estimate
+from .mem_saving import MemRun, MemSaver, _estimate
 from .session import RunSession
 
 
@@ -88,8 +89,13 @@ class RankMemory:
         self.tier = open_mem_tier(
             session.store, self.run, root=node_mem.root, budget=node_mem.budget
         )
-        rank_session: Any = _RankSession(session, self.run)  # what MemSaver uses of one
-        self.saver = MemSaver(rank_session, self.tier, policy, cleanup=False)
+        # Steps on disk are the collective run's; events go to the coordinator's log.
+        self.saver = MemSaver(
+            MemRun(session.store, session.run, session.records, self._event),
+            self.tier,
+            policy,
+            cleanup=False,
+        )
         self.cleanup = cleanup
         self.node_mem = node_mem  # the node's mem tier of the run: unused under a group
         self.peers_root = mem_dir(node_mem.root, session.store, session.run) + "+peers"
@@ -238,6 +244,11 @@ class RankMemory:
         return info
 
     # -- closing --------------------------------------------------------------------------
+    def _event(self, event: str, **fields: Any) -> None:
+        """A mem-tier event of this rank's own copy (written by the coordinator only)."""
+        if self.session.scope.coordinator:
+            self.session.event(event, rank=0, **fields)
+
     def close(self) -> None:
         """Collective: finish replication; remove this rank's mem tier and its replicas
         only when every rank's newest mem checkpoint is on disk or older than the newest
@@ -264,25 +275,6 @@ class RankMemory:
             shutil.rmtree(self.peers_root, ignore_errors=True)  # the node's ranks share it
             self.node_mem.remove()  # empty: under a group only the ranks' own tiers are used
             self.session.event("mem_removed", path=self.peers_root, ranks=dist.get_world_size())
-
-
-class _RankSession:
-    """The parts of a :class:`RunSession` :class:`MemSaver` uses, for a rank's own run:
-    its events go to the coordinator's log, tagged with the rank."""
-
-    def __init__(self, session: RunSession, run: str) -> None:
-        self._session = session
-        self.store = session.store
-        self.run = session.run  # steps on disk are the collective run's
-        self.rank_run = run
-
-    def records(self) -> list[Any]:
-        """The collective run's checkpoints on disk."""
-        return self._session.records()
-
-    def event(self, event: str, **fields: Any) -> None:
-        if self._session.scope.coordinator:
-            self._session.event(event, rank=0, **fields)
 
 
 __all__ = ["RankMemory", "RankStaged"]

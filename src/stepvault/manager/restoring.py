@@ -24,14 +24,13 @@ StepRef = int | Literal["latest", "best"]
 class ManagerRestorer:
     """Restores the manager's run into a live state."""
 
-    def __init__(self, session: RunSession, best: list[tuple[str, str]]) -> None:
+    def __init__(
+        self, session: RunSession, best: list[tuple[str, str]], *, memory: Any = None
+    ) -> None:
         self.session = session
         self.best = best
         #: a RankMemory (.rank_memory): "latest" or a step is first restored from node memory
-        self.memory: Any = None
-        #: the restore's progress: a callback, True/False, or None (a bar on a terminal
-        #: when reading from a remote tier), as in :func:`stepvault.restore`
-        self.progress: Any = None
+        self.memory = memory
 
     def source(self) -> Source:
         """The run through the tier view; "latest" from every tier's records, "best" from
@@ -48,8 +47,17 @@ class ManagerRestorer:
         )
 
     def restore(
-        self, state: MutableMapping[str, Any], step: StepRef, *, strict: bool, assign: bool = False
+        self,
+        state: MutableMapping[str, Any],
+        step: StepRef,
+        *,
+        strict: bool,
+        assign: bool = False,
+        progress: Any = None,
     ) -> RestoreInfo | None:
+        """Restore ``step`` into ``state``. ``progress``: a callback, True/False, or None
+        (a bar on a terminal when reading from a remote tier), as in
+        :func:`stepvault.restore`."""
         s = self.session
         t0 = time.perf_counter()
         # Checked on every rank before any collective, so that no rank waits for another.
@@ -96,7 +104,7 @@ class ManagerRestorer:
                     # manager says so
                     light=s.options.resume_from_light or not isinstance(step, str),
                     workers=s.options.workers,
-                    progress=self.progress,
+                    progress=progress,
                     on_sharded=lambda first: s.scope.check_restore(s.run, first),
                 )
         except BaseException as exc:

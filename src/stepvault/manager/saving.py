@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,10 @@ from ..policy import SaveDecision
 from ..state.snapshot import Snapshot, take_snapshot, weights_only
 from .session import RunSession
 from .stats import SaveHandle
+
+if TYPE_CHECKING:
+    from .mem_saving import MemSaver
+    from .rank_memory import RankMemory
 
 #: Work after a save is committed, on the writer thread: ``hook(info)``.
 AfterCommit = Callable[[SaveInfo], None]
@@ -65,12 +69,15 @@ class LocalWriter:
 
     waits_for_previous = False  # a busy writer may be skipped (if_busy="skip")
 
-    def __init__(self, session: RunSession, staging: StagingPool) -> None:
+    def __init__(
+        self, session: RunSession, staging: StagingPool, *, mem: MemSaver | None = None
+    ) -> None:
         self.session = session
         self.staging = staging
         self._parent: Manifest | None = None  # the last commit: its object table is reused
         self._warned_budget = False
-        self.mem: Any = None  # a MemSaver (.mem_saving) when the manager has a mem tier
+        #: the mem tier's destination (.mem_saving): each save goes there first
+        self.mem = mem
 
     def in_flight_limit(self) -> int:
         """Saves that may be in flight at once (the staging budget's slots, at least 1)."""
@@ -82,9 +89,10 @@ class LocalWriter:
             self._warned_budget = True
             budget = self.staging.budget
             warnings.warn(
-                f"stepvault: the state needs more staging memory than staging_memory="
-                f"{budget} bytes allows, so every save of run {self.session.run!r} is "
-                "written synchronously; raise staging_memory to save asynchronously",
+                f"stepvault: the state needs more staging memory than StagingOptions(memory="
+                f"{budget}) bytes allows, so every save of run {self.session.run!r} is "
+                "written synchronously; raise ManagerOptions(staging=StagingOptions(memory=...)) "
+                "to save asynchronously",
                 RuntimeWarning,
                 stacklevel=5,
             )
@@ -166,7 +174,8 @@ class LocalWriter:
                 if area is not None:
                     area.wait_copied()  # device-to-host copies done (at once on CPU)
                 out = self._light_from_staged(manifest, snapshot, host) if light_later else host
-                mem_info, fields = None, {}
+                mem_info: SaveInfo | None = None
+                fields: dict[str, Any] = {}
                 # One set of chunk digests for both destinations: memory, then disk, write
                 # the same buffers (held until this commit is done), hashed once.
                 digests = None
@@ -176,7 +185,8 @@ class LocalWriter:
                         manifest, out, urgent=decision.urgent, digests=digests
                     )
                     fields["hashed_bytes"] = digests.hashed_bytes
-                if mem_info is not None and not self.mem.wants_disk(step, decision.urgent):
+                mem = self.mem
+                if mem_info is not None and mem and not mem.wants_disk(step, decision.urgent):
                     rate = mem_info.throughput if math.isfinite(mem_info.throughput) else None
                     return mem_info, {**fields, "tier": "mem", "throughput_bytes_per_s": rate}
                 info = write_manifest(
@@ -223,15 +233,15 @@ class CollectiveWriter:
     """
 
     waits_for_previous = True
-    #: a RankMemory (.rank_memory) when every rank also saves into node memory (set by
-    #: the manager only then: without it the mem tier is read by restores only)
-    mem: Any
 
     def in_flight_limit(self) -> int:
         return 1
 
-    def __init__(self, session: RunSession, async_save: bool) -> None:
+    def __init__(self, session: RunSession, async_save: bool, *, mem: RankMemory | None = None):
         self.session = session
+        #: every rank's own copy into node memory, replicated (.rank_memory); None: the
+        #: mem tier, if any, is read by restores only
+        self.mem = mem
         self.async_saver = None
         if async_save:
             from ..distributed.api import AsyncSaver
@@ -266,7 +276,7 @@ class CollectiveWriter:
         if kind != decision.kind:
             s.event("light_as_full", step=step, reason="multi-rank saves are always full")
         part = weights_only(state) if kind == "weights" else state
-        rank_mem, rank_staged, disk = getattr(self, "mem", None), None, True
+        rank_mem, rank_staged, disk = self.mem, None, True
         if rank_mem is not None:  # this rank's own copy into node memory (.rank_memory)
             rank_staged, disk = rank_mem.stage(step, state, decision, epoch=epoch, metrics=metrics)
         args: dict[str, Any] = dict(

@@ -11,7 +11,7 @@ from ..catalog import CheckpointRecord, checkpoint_records
 from ..catalog.events import log_event
 from ..catalog.lineage import Lineage, write_lineage
 from ..store import Store
-from .options import ManagerOptions
+from .options import RunSettings
 from .scope import Scope
 from .stats import ManagerStats
 
@@ -23,7 +23,7 @@ class RunSession:
     store: Store  # the hot store: saves, retention, the event log
     view: Store  # every tier, hot first: restores and listings
     run: str
-    options: ManagerOptions
+    options: RunSettings
     scope: Scope
     stats: ManagerStats = field(default_factory=ManagerStats)
     metrics: Any = None  # PrometheusMetrics, when exported

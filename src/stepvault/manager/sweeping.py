@@ -6,8 +6,9 @@ object a manifest of any run names, delete the rest past the grace period) costs
 over the whole store; run after every save it made a ``KeepLast(2)`` save into a store
 holding 100 checkpoints of other runs read 102 manifests, on S3 a GET each. So the
 :class:`Sweeper` runs it on its own thread, once enough deletions are pending
-(:data:`SWEEP_AFTER_DELETIONS`) or the oldest pending one is :data:`SWEEP_AFTER_SECONDS`
-old, and once more at ``close()``. ``stepvault gc`` sweeps on demand, as before.
+(``GCOptions.sweep_after_deletions``, default 8) or the oldest pending one is
+``GCOptions.sweep_after_seconds`` old (default 60 s), and once more at ``close()``.
+``stepvault gc`` sweeps on demand, as before.
 
 Safety is the sweep's own (``engine/gc.py``): objects younger than the grace period are
 never removed (a save in flight writes new objects and touches reused ones), and the
@@ -24,12 +25,8 @@ import time
 from ..engine.gc import SweepReport, sweep
 from ..errors import StepvaultError
 from ..tiers.mover import CONCURRENT_GRACE_FLOOR
+from .options import GCOptions
 from .session import RunSession
-
-#: A sweep starts once this many checkpoints were deleted since the last one ...
-SWEEP_AFTER_DELETIONS = 8
-#: ... or once the oldest deletion not swept yet is this many seconds old.
-SWEEP_AFTER_SECONDS = 60.0
 
 
 class Sweeper:
@@ -40,16 +37,11 @@ class Sweeper:
     (``gc_failed``) and retried with the next deletion.
     """
 
-    def __init__(
-        self,
-        session: RunSession,
-        *,
-        after_deletions: int = SWEEP_AFTER_DELETIONS,
-        after_seconds: float = SWEEP_AFTER_SECONDS,
-    ) -> None:
+    def __init__(self, session: RunSession, options: GCOptions | None = None) -> None:
+        options = options or GCOptions()
         self.session = session
-        self.after_deletions = after_deletions
-        self.after_seconds = after_seconds
+        self.after_deletions = options.sweep_after_deletions
+        self.after_seconds = options.sweep_after_seconds
         self._cond = threading.Condition()
         self._pending = 0
         self._since: float | None = None  # monotonic time of the oldest pending deletion
