@@ -128,7 +128,7 @@ def task_restore_mismatched_full(rank, world, root, out):
     cases = {
         "wrong shape": (_fsdp((16, 33, 32, 4), mesh), {}, both),
         "live entry missing from checkpoint": (_fsdp((16, 32, 32, 4), mesh), {"ema": 0.5}, both),
-        # stepvault.restore goes through the restore planner's own check (distributed/api.py)
+        # stepvault.restore goes through the restore planner's own check (distributed/restoring.py)
         "module key missing from checkpoint": (
             _fsdp((16, 32, 32, 4), mesh, extra_buffer=True),
             {},

@@ -20,7 +20,8 @@ integrations' ``read_checkpoint`` and the memory restore of a process group
   :func:`restore_offer` does the same on every rank: rank 0 chooses, the candidates and
   the first one's manifest bytes are shared in one broadcast, each rank parses that
   manifest once, and the ranks agree that the state fits and that every object verified
-  before any rank changes its state (:mod:`stepvault.distributed.api`).
+  before any rank changes its state (:mod:`stepvault.distributed.agreement`,
+  :mod:`stepvault.distributed.restoring`).
 """
 
 from __future__ import annotations
@@ -297,7 +298,7 @@ def restore_local(
     if planner.is_sharded(first):
         if on_sharded is not None:
             on_sharded(first)
-        from ..distributed.api import Offer
+        from ..distributed.agreement import Offer
 
         offer = Offer(chosen.steps, chosen.fallback, planner.open(first).manifest)
         planner.forget(first)
@@ -318,8 +319,8 @@ def restore_local(
 
 def share_choice(source: Source, choose: Callable[[], Candidates]) -> Any:
     """Collective: rank 0 runs ``choose()``; every rank gets its candidates and the first
-    one's manifest bytes in one broadcast (a :class:`stepvault.distributed.api.Offer`)."""
-    from ..distributed.api import share_offer
+    one's manifest bytes in one broadcast (a :class:`stepvault.distributed.agreement.Offer`)."""
+    from ..distributed.agreement import share_offer
 
     def steps() -> tuple[list[int], bool]:
         chosen = choose()
@@ -339,7 +340,8 @@ def restore_offer(
     """Collective: every rank restores the first candidate of ``offer`` that fits and
     verifies on every rank (resharding as needed), all falling back together; each tried
     manifest is parsed once per rank."""
-    from ..distributed.api import restore_checkpoint, try_candidates
+    from ..distributed.agreement import try_candidates
+    from ..distributed.restoring import restore_checkpoint
 
     t0 = time.perf_counter()
 

@@ -166,7 +166,7 @@ def restore_collective(
 ) -> RestoreInfo | None:
     """Every rank restores its part of ``run@step`` through the planner's collective path
     (rank 0 chooses; candidates and manifest shared once; resharding as needed)."""
-    from ..distributed.api import handshake
+    from ..distributed.agreement import handshake
 
     handshake(f"restore {run}", 60.0)  # every rank must call it: a clear error if not
     try:

@@ -1,8 +1,9 @@
 """Distributed layer: multi-rank save/load through torch.distributed.checkpoint (DCP),
 with stepvault's content-addressed, verified, pickle-free storage underneath."""
 
-from .api import load_sharded, save_sharded
+from .api import save_sharded
 from .planners import SafeLoadPlanner, SafeSavePlanner
+from .restoring import load_sharded
 from .storage import StepvaultReader, StepvaultWriter, sharded_metadata
 
 __all__ = [
