@@ -3,6 +3,9 @@ choice, a manifest parsed once per restore, reused chunks taken from the parent 
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -140,3 +143,28 @@ def test_a_second_save_takes_reused_chunks_from_the_parent_manifest(tmp_path, mo
         mgr.save(3, state)
         assert "object_size" not in lookups
     assert stepvault.ops.verify(tmp_path, deep=True).ok
+
+
+#: A module may pass ``MAX_MODULE_LINES`` only when its docstring says why it is one unit,
+#: in one of these forms (the ones src/stepvault already uses; see policy/keep.py and
+#: format/encoding.py).
+MAX_MODULE_LINES = 400
+WHY_LONG = ("(Longer than most modules", "(At ~", "(Its length")
+
+
+def test_a_module_over_400_lines_says_why_at_its_top():
+    package = Path(stepvault.__file__).parent
+    unexplained = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines = len(text.splitlines())
+        if lines <= MAX_MODULE_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(text, str(path)), clean=False) or ""
+        if not any(phrase in doc for phrase in WHY_LONG):
+            unexplained.append(f"{path.relative_to(package.parent)} ({lines} lines)")
+    assert not unexplained, (
+        f"modules over {MAX_MODULE_LINES} lines whose docstring does not say why: "
+        f"{unexplained}. Split the module by what its parts do, or end its docstring with "
+        f"one sentence starting with one of {WHY_LONG} that names the one reason it is one unit"
+    )

@@ -3,7 +3,9 @@
 Shared options and helpers are in :mod:`stepvault.cli.common`; each further command group
 lives in its own module, imported at the bottom of this file so that it registers on ``app``.
 
-(The core commands; each larger group has its own module below.)
+(Longer than most modules: the core commands, each a short function of options and output
+registered on the one ``app``; a group of commands that grows gets its own module, as the
+ones imported at the bottom.)
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ and lease records carry timestamps and tokens, so "identical" means "ours").
 S3 requests go through s3fs/aiobotocore with botocore's ``standard`` retry mode (backoff with
 jitter on 5xx, throttling, reset connections and timeouts), explicit connect/read timeouts,
 and parallel multipart uploads for objects of ``2 * part_size`` bytes or more.
+
+(Longer than most modules on purpose: one backend whose conditional writes, their
+ambiguous retries and the translation of the server's errors are one set of rules.)
 """
 
 from __future__ import annotations

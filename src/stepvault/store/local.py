@@ -1,4 +1,9 @@
-"""Local-directory backend: atomic rename/link commit, fsync of file and directory, mmap reads."""
+"""Local-directory backend: atomic rename/link commit, fsync of file and directory, mmap reads.
+
+(Longer than most modules on purpose: one backend whose durability rules — a temporary
+name, fsync of the file, rename or link, fsync of the directory before a manifest commits —
+hold only as a whole, and read best side by side.)
+"""
 
 from __future__ import annotations
 

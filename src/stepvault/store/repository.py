@@ -13,6 +13,9 @@
       tmp/                                 in-flight writes; never read by restore
 
 This layer moves opaque bytes; what an object or manifest *means* is the format layer's.
+
+(Longer than most modules on purpose: :class:`Store` is the one place that knows the
+layout above, so every key is built, read and fenced here and nowhere else.)
 """
 
 from __future__ import annotations
