@@ -41,12 +41,13 @@ from ..store import Store
 from ..store.signing import Signer
 from ..tiers.mem import MemTier
 from ..tiers.mover import TierMover
+from .collective_saving import CollectiveWriter
 from .hooks import NotifyMover, Retention, tracked_best
 from .leasing import LeaseKeeper
 from .mem_saving import MemRun, MemSaver, open_for_manager, start_mem_tier
 from .options import MemOptions, RunSettings
 from .restoring import ManagerRestorer
-from .saving import AfterCommit, CollectiveWriter, LocalWriter, SavePipeline
+from .saving import AfterCommit, LocalWriter, SavePipeline
 from .scope import choose_scope
 from .session import RunSession
 from .sweeping import Sweeper

@@ -2,9 +2,11 @@
 
 Only *stage* runs on the training thread (the snapshot and the copy into reused host
 buffers); the writer thread runs *commit* (hash, encode, write, commit the manifest) and
-then the hooks (retention and GC, the tier mover, the wave-2 additions). Two writers
-implement *stage*/*commit*: :class:`LocalWriter` (this process writes the whole state) and
-:class:`CollectiveWriter` (every rank writes its shards through DCP; rank 0 commits).
+then the hooks (retention, the tier mover). Two writers implement *stage*/*commit* over
+their destinations: :class:`LocalWriter` (this process writes the whole state: node memory
+first when there is a mem tier, then the store, one set of chunk digests for both) and
+``CollectiveWriter`` (:mod:`.collective_saving`: every rank writes its shards through DCP;
+rank 0 commits).
 """
 
 from __future__ import annotations
@@ -14,30 +16,26 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING, Any, Union
 
 from ..catalog.attachments import add_attachments
 from ..core.info import SaveInfo
 from ..core.light import light_arrays, light_host
-from ..core.values import encode_metrics
 from ..core.write import new_manifest, write_manifest
 from ..engine import to_host
 from ..engine.background import BackgroundWriter
 from ..engine.staging import HostArray, from_bytes
 from ..engine.staging_pool import StagingPool
 from ..engine.writer import ChunkDigests
-from ..errors import StepvaultError
-from ..format import Manifest, parse_manifest
+from ..format import Manifest
 from ..policy import SaveDecision
-from ..state.snapshot import Snapshot, take_snapshot, weights_only
+from ..state.snapshot import Snapshot, take_snapshot
 from .session import RunSession
 from .stats import SaveHandle
 
 if TYPE_CHECKING:
+    from .collective_saving import CollectiveWriter
     from .mem_saving import MemSaver
-    from .rank_memory import RankMemory
 
 #: Work after a save is committed, on the writer thread: ``hook(info)``.
 AfterCommit = Callable[[SaveInfo], None]
@@ -223,121 +221,9 @@ class LocalWriter:
         self.staging.close()
 
 
-class CollectiveWriter:
-    """Every rank writes its shards (DCP); rank 0 commits, logs and applies retention.
-
-    With ``async_save`` the training thread only stages each rank's shards into reused CPU
-    buffers; the write and commit run in the background (DCP ``async_save`` on a dedicated
-    gloo group). Every rank waits for the previous save before starting the next, so a
-    failure surfaces on all ranks at the same call.
-    """
-
-    waits_for_previous = True
-
-    def in_flight_limit(self) -> int:
-        return 1
-
-    def __init__(self, session: RunSession, async_save: bool, *, mem: RankMemory | None = None):
-        self.session = session
-        #: every rank's own copy into node memory, replicated (.rank_memory); None: the
-        #: mem tier, if any, is read by restores only
-        self.mem = mem
-        self.async_saver = None
-        if async_save:
-            from ..distributed.api import AsyncSaver
-
-            self.async_saver = AsyncSaver()  # collective: every rank builds its manager
-
-    def stage(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        decision: SaveDecision,
-        *,
-        epoch: int | None,
-        metrics: Mapping[str, Any] | None,
-        metadata: Any,
-        background: bool,
-        attachments: Mapping[str, Any] | None = None,
-    ) -> Staged | None:
-        s = self.session
-        if attachments:
-            raise ValueError(
-                "attachments are not supported by multi-rank saves yet: save them from one "
-                "process (stepvault attach RUN@STEP FILE after the save)"
-            )
-        background = background and self.async_saver is not None
-        t0 = time.perf_counter()
-        from ..distributed.api import collective_kind
-
-        # stepvault.save's rule too: a light save under a group is written full (warned once;
-        # the handle, SaveInfo and the save event say "full").
-        kind = collective_kind(decision.kind)
-        if kind != decision.kind:
-            s.event("light_as_full", step=step, reason="multi-rank saves are always full")
-        part = weights_only(state) if kind == "weights" else state
-        rank_mem, rank_staged, disk = self.mem, None, True
-        if rank_mem is not None:  # this rank's own copy into node memory (.rank_memory)
-            rank_staged, disk = rank_mem.stage(step, state, decision, epoch=epoch, metrics=metrics)
-        args: dict[str, Any] = dict(
-            run=s.run,
-            step=step,
-            epoch=epoch,
-            metrics=encode_metrics(metrics),
-            codec=s.options.codec,
-            workers=s.options.workers,
-            lineage=s.lineage_ref() if s.scope.coordinator else None,
-        )
-        try:
-            if not disk:
-                pass  # in node memory only this time (the tier policy's CopyEvery)
-            elif background:
-                assert self.async_saver is not None
-                future = self.async_saver.save(s.store, part, **args)
-            else:
-                from ..distributed.api import save_state
-
-                save_state(s.store, part, **args)
-        except BaseException as exc:
-            s.failed(step, exc)
-            s.raise_or_warn(exc)
-            return None
-        stall = time.perf_counter() - t0
-
-        def commit() -> tuple[SaveInfo, dict[str, Any]]:
-            fields: dict[str, Any] = {"world_size": torch.distributed.get_world_size()}
-            if rank_mem is not None:
-                mem_info, more = rank_mem.commit(step, rank_staged)
-                fields.update(more)  # a failed mem write says so ("mem", "tier": "hot")
-                if mem_info is not None:
-                    fields["tier"] = "mem+hot" if disk else "mem"
-                if not disk:
-                    if mem_info is None:
-                        exc = StepvaultError(
-                            f"step {step} was due in node memory only and its memory save "
-                            "failed on this rank (see the mem_save_failed event)"
-                        )
-                        s.failed(step, exc)
-                        raise exc
-                    return mem_info, fields
-            if background and disk:
-                try:
-                    future.result()
-                except BaseException as exc:
-                    s.failed(step, exc)
-                    raise
-            m = parse_manifest(s.store.read_manifest(s.run, step), f"{s.run}@{step}")
-            info = SaveInfo.of_manifest(m, time.perf_counter() - t0, kind)
-            return info, fields
-
-        return Staged(stall, background, commit, started=t0, kind=kind)
-
-    def close(self) -> None:
-        if self.async_saver is not None:
-            self.async_saver.close()
-
-
-Writer = LocalWriter | CollectiveWriter
+#: A writer drives a save's destinations: :class:`LocalWriter` here, or
+#: :class:`~stepvault.manager.collective_saving.CollectiveWriter` under a process group.
+Writer = Union[LocalWriter, "CollectiveWriter"]
 
 
 class SavePipeline:

@@ -1,0 +1,143 @@
+"""The collective writer: every rank writes its shards through DCP, rank 0 commits.
+
+The other half of the save pipeline's writers (:mod:`.saving` holds the local one and the
+pipeline that drives both): under a process group each rank stages its shards (and, with
+``MemOptions(replicate=True)``, a copy of its own state for node memory,
+:mod:`.rank_memory`); the write and the commit run through
+:mod:`stepvault.distributed` (DCP with stepvault's storage writer), whose coordinator runs
+the same commit epilogue as every other save (``catalog/commit.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core.info import SaveInfo
+from ..core.values import encode_metrics
+from ..errors import StepvaultError
+from ..format import parse_manifest
+from ..policy import SaveDecision
+from ..state.snapshot import weights_only
+from .saving import Staged
+from .session import RunSession
+
+if TYPE_CHECKING:
+    from .rank_memory import RankMemory
+
+
+class CollectiveWriter:
+    """Every rank writes its shards (DCP); rank 0 commits, logs and applies retention.
+
+    With ``async_save`` the training thread only stages each rank's shards into reused CPU
+    buffers; the write and commit run in the background (DCP ``async_save`` on a dedicated
+    gloo group). Every rank waits for the previous save before starting the next, so a
+    failure surfaces on all ranks at the same call.
+    """
+
+    waits_for_previous = True
+
+    def in_flight_limit(self) -> int:
+        return 1
+
+    def __init__(self, session: RunSession, async_save: bool, *, mem: RankMemory | None = None):
+        self.session = session
+        #: every rank's own copy into node memory, replicated (.rank_memory); None: the
+        #: mem tier, if any, is read by restores only
+        self.mem = mem
+        self.async_saver = None
+        if async_save:
+            from ..distributed.api import AsyncSaver
+
+            self.async_saver = AsyncSaver()  # collective: every rank builds its manager
+
+    def stage(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        decision: SaveDecision,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        metadata: Any,
+        background: bool,
+        attachments: Mapping[str, Any] | None = None,
+    ) -> Staged | None:
+        s = self.session
+        if attachments:
+            raise ValueError(
+                "attachments are not supported by multi-rank saves yet: save them from one "
+                "process (stepvault attach RUN@STEP FILE after the save)"
+            )
+        background = background and self.async_saver is not None
+        t0 = time.perf_counter()
+        from ..distributed.api import collective_kind
+
+        # stepvault.save's rule too: a light save under a group is written full (warned once;
+        # the handle, SaveInfo and the save event say "full").
+        kind = collective_kind(decision.kind)
+        if kind != decision.kind:
+            s.event("light_as_full", step=step, reason="multi-rank saves are always full")
+        part = weights_only(state) if kind == "weights" else state
+        rank_mem, rank_staged, disk = self.mem, None, True
+        if rank_mem is not None:  # this rank's own copy into node memory (.rank_memory)
+            rank_staged, disk = rank_mem.stage(step, state, decision, epoch=epoch, metrics=metrics)
+        args: dict[str, Any] = dict(
+            run=s.run,
+            step=step,
+            epoch=epoch,
+            metrics=encode_metrics(metrics),
+            codec=s.options.codec,
+            workers=s.options.workers,
+            lineage=s.lineage_ref() if s.scope.coordinator else None,
+        )
+        try:
+            if not disk:
+                pass  # in node memory only this time (the tier policy's CopyEvery)
+            elif background:
+                assert self.async_saver is not None
+                future = self.async_saver.save(s.store, part, **args)
+            else:
+                from ..distributed.api import save_state
+
+                save_state(s.store, part, **args)
+        except BaseException as exc:
+            s.failed(step, exc)
+            s.raise_or_warn(exc)
+            return None
+        stall = time.perf_counter() - t0
+
+        def commit() -> tuple[SaveInfo, dict[str, Any]]:
+            fields: dict[str, Any] = {"world_size": torch.distributed.get_world_size()}
+            if rank_mem is not None:
+                mem_info, more = rank_mem.commit(step, rank_staged)
+                fields.update(more)  # a failed mem write says so ("mem", "tier": "hot")
+                if mem_info is not None:
+                    fields["tier"] = "mem+hot" if disk else "mem"
+                if not disk:
+                    if mem_info is None:
+                        exc = StepvaultError(
+                            f"step {step} was due in node memory only and its memory save "
+                            "failed on this rank (see the mem_save_failed event)"
+                        )
+                        s.failed(step, exc)
+                        raise exc
+                    return mem_info, fields
+            if background and disk:
+                try:
+                    future.result()
+                except BaseException as exc:
+                    s.failed(step, exc)
+                    raise
+            m = parse_manifest(s.store.read_manifest(s.run, step), f"{s.run}@{step}")
+            info = SaveInfo.of_manifest(m, time.perf_counter() - t0, kind)
+            return info, fields
+
+        return Staged(stall, background, commit, started=t0, kind=kind)
+
+    def close(self) -> None:
+        if self.async_saver is not None:
+            self.async_saver.close()
