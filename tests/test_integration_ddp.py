@@ -189,7 +189,7 @@ def test_hf_trainer_ddp_lease_held_elsewhere_stops_every_rank(tmp_path):
     args = ["--root", str(tmp_path), "--run-name", "hf", "--max-steps", "4"]
     with stepvault.CheckpointManager(tmp_path, "hf"):  # another job writes this run
         err = _fails(torchrun("hf_trainer.py", *args))
-    assert "[rank0]: stepvault.store.lease.LeaseHeldError" in err
+    assert "[rank0]: stepvault.errors.LeaseHeldError" in err
     assert (
         "[rank1]: stepvault.errors.StepvaultError: opening the stepvault run failed on "
         "rank 0: LeaseHeldError" in err
