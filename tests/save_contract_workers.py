@@ -112,7 +112,7 @@ def task_contract(rank: int, world: int, root: Path, out: Path) -> None:
     with stepvault.CheckpointManager(store, "m", lineage=False) as mgr:
         for step in (1, 2, 3):
             train(state, step)
-            mgr.save(step, state, force=True)
+            mgr.save(step, state, force=True, metadata={"entry": "m", "step": step})
             expected["m"][step] = snapshot(state)
         mgr.wait()
         bad = {**state, "bad": object()}  # to be refused at save(), before a byte is written
@@ -122,7 +122,8 @@ def task_contract(rank: int, world: int, root: Path, out: Path) -> None:
     state = build(seed=1)
     for step in (1, 2, 3):
         train(state, step)
-        stepvault.save(store, state, run="s", step=step, lineage=False)
+        meta = {"entry": "s", "step": step}
+        stepvault.save(store, state, run="s", step=step, lineage=False, metadata=meta)
         expected["s"][step] = snapshot(state)
     bad = {**state, "bad": object()}
     results["s_failed"] = _failed(lambda: stepvault.save(store, bad, run="s", step=4))
@@ -132,14 +133,17 @@ def task_contract(rank: int, world: int, root: Path, out: Path) -> None:
     dist.barrier()
 
     restored: dict[str, dict[str, bool]] = {}
+    metadata: dict[str, dict[str, Any]] = {}
     for run_name, steps in expected.items():
-        restored[run_name] = {}
+        restored[run_name], metadata[run_name] = {}, {}
         for step, saved in steps.items():
             live = build(seed=9)
             info = stepvault.restore(store, live, run=run_name, step=step)
             ok = info is not None and info.step == step and same(snapshot(live), saved)
             restored[run_name][str(step)] = ok
+            metadata[run_name][str(step)] = info.metadata if info is not None else None
     results["restored_bitwise"] = restored
+    results["metadata"] = metadata
 
     # Straight into a store of xor delta objects: the same state as r@3, so every chunk is
     # one of r@3's deltas there, reused by content hash.

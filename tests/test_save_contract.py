@@ -486,6 +486,18 @@ def test_collective_failed_saves_keep_every_earlier_checkpoint(
     assert not list((root / "store" / "tmp").glob("*.part"))
 
 
+def test_collective_saves_keep_their_metadata(
+    collective: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """``metadata=`` reaches the manifest under a group too (it was dropped: the DCP
+    writer was never given it), and every rank's restore returns it decoded."""
+    _, results = collective
+    for rank, got in enumerate(results):
+        for run in ("m", "s"):
+            want = {str(s): {"entry": run, "step": s} for s in STEPS}
+            assert got["metadata"][run] == want, (rank, run, got["metadata"])
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP's, 1 process
 def test_collective_saves_into_a_delta_store_list_the_bases_they_reuse(
     collective: tuple[Path, list[dict[str, Any]]],

@@ -265,6 +265,7 @@ def save(
             codec=codec,
             workers=workers,
             lineage=lineage_digest,
+            metadata=encode_metadata(metadata),
         )
         committed = target if isinstance(target, Store) else Store.open(target)
         if as_full and current_rank() == 0:

@@ -49,8 +49,12 @@ def save_sharded(
     codec: str | None = None,
     workers: int | None = None,
     lineage: str | None = None,
+    metadata: Any = None,
 ) -> None:
     """Save a (possibly sharded: DTensor, FSDP2) state dict from every rank of the group.
+
+    ``metadata`` is the user metadata in its safe encoding (``core.values.encode_metadata``);
+    rank 0's value is the one committed.
 
     Every rank writes its own shards in parallel; replicated tensors are written once; the
     coordinator commits only after every rank reported success. If any rank fails, nothing
@@ -66,6 +70,7 @@ def save_sharded(
         codec=codec,
         workers=workers,
         lineage=lineage,
+        metadata=metadata,
     )
     dcp.save(dict(state_dict), storage_writer=writer, planner=SafeSavePlanner())
 
@@ -108,11 +113,12 @@ def save_state(
     workers: int | None = None,
     timeout: float = 60.0,
     lineage: str | None = None,
+    metadata: Any = None,
 ) -> None:
     """``stepvault.save`` on every rank: modules, optimizers, RNGs and values via DCP.
 
-    ``lineage`` is the digest of a lineage record already stored for ``run`` (rank 0's
-    value is the one committed).
+    ``lineage`` is the digest of a lineage record already stored for ``run``, ``metadata``
+    the encoded user metadata (rank 0's values are the ones committed).
     """
     handshake(f"save {run}@{step}", timeout)
     dcp_state = _with_kinds(state)
@@ -127,6 +133,7 @@ def save_state(
         codec=codec,
         workers=workers,
         lineage=lineage,
+        metadata=metadata,
     )
 
 
@@ -230,6 +237,7 @@ class AsyncSaver:
         workers: int | None = None,
         lineage: str | None = None,
         timeout: float = 60.0,
+        metadata: Any = None,
     ) -> Any:
         """Stage ``state`` and start its save; returns a future that the commit completes.
 
@@ -248,6 +256,7 @@ class AsyncSaver:
             codec=codec,
             workers=workers,
             lineage=lineage,
+            metadata=metadata,
         )
         return dcp.async_save(
             dcp_state,

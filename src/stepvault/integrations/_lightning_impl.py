@@ -175,9 +175,9 @@ class CheckpointMixin:
             :class:`~stepvault.state.dataloader.ResumableLoader` so that an ordinary
             ``DataLoader`` resumes mid-epoch exactly and a ``StatefulDataLoader`` keeps
             later epochs' shuffles (see INTEGRATIONS.md, "Exact resume").
-        manager_options: passed to :class:`~stepvault.CheckpointManager` (``if_busy``,
-            ``codec``, ``best_metric``, ``best_mode``, ``on_save_error``, ``workers``,
-            ``gc_grace_seconds``, ``lease_stale_after``, ``prometheus``).
+        manager_options: passed to :class:`~stepvault.CheckpointManager` (``codec``,
+            ``best_metric``, ``best_mode``, ``tiers``, ``prometheus``, and
+            ``options=ManagerOptions(...)`` for staging, GC, lease and error handling).
 
     Every finite scalar in ``trainer.callback_metrics`` (what ``self.log`` recorded) is
     stored as a metric of the checkpoint, so ``KeepBest(3, metric="val_loss")`` and

@@ -201,7 +201,8 @@ class AcceleratorCheckpointer:
 
     ``extra`` is a dict of values and stateful objects saved with the accelerator's state;
     :meth:`restore` writes the restored plain values back into it. ``manager_options`` go
-    to :class:`~stepvault.CheckpointManager` (``if_busy``, ``codec``, ``best_metric``...).
+    to :class:`~stepvault.CheckpointManager` (``codec``, ``best_metric``,
+    ``options=ManagerOptions(...)``...).
     """
 
     def __init__(

@@ -94,8 +94,8 @@ class StepvaultCallback(TrainerCallback):
         keep: keep policy applied after each save (replaces ``save_total_limit``).
         async_save: write in the background; training waits only for the copy of the
             tensors into reusable host buffers.
-        manager_options: passed to :class:`~stepvault.CheckpointManager` (``if_busy``,
-            ``codec``, ``best_metric``, ``best_mode``, ``on_save_error``, ...).
+        manager_options: passed to :class:`~stepvault.CheckpointManager` (``codec``,
+            ``best_metric``, ``best_mode``, ``options=ManagerOptions(...)``, ...).
 
     The metrics of a checkpoint are the finite numbers logged at its step (``loss``,
     ``learning_rate``, ``eval_loss``...), so ``KeepBest(2, metric="eval_loss")`` works.

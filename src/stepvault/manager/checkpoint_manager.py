@@ -33,7 +33,7 @@ from ..tiers.mover import TierMover
 from .options import ManagerOptions, RunSettings
 from .pipeline import build_pipeline
 from .preparing import Preparer
-from .saving import LocalWriter
+from .saving import LocalWriter, SaveRequest
 from .stats import SaveHandle
 
 
@@ -298,13 +298,7 @@ class CheckpointManager:
             return None
         ctx = self._context(step, epoch)
         handle = self._p.saves.run(
-            step,
-            state,
-            decision,
-            epoch=epoch,
-            metrics=metrics,
-            metadata=metadata,
-            attachments=attachments,
+            SaveRequest(step, state, decision, epoch, metrics, metadata, attachments)
         )
         if handle is None:
             return None

@@ -11,18 +11,16 @@ the same commit epilogue as every other save (``catalog/commit.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..core.info import SaveInfo
-from ..core.values import encode_metrics
+from ..core.values import encode_metadata, encode_metrics
 from ..errors import StepvaultError
 from ..format import parse_manifest
-from ..policy import SaveDecision
 from ..state.snapshot import weights_only
-from .saving import Staged
+from .saving import SaveRequest, Staged
 from .session import RunSession
 
 if TYPE_CHECKING:
@@ -54,19 +52,12 @@ class CollectiveWriter:
 
             self.async_saver = AsyncSaver()  # collective: every rank builds its manager
 
-    def stage(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        decision: SaveDecision,
-        *,
-        epoch: int | None,
-        metrics: Mapping[str, Any] | None,
-        metadata: Any,
-        background: bool,
-        attachments: Mapping[str, Any] | None = None,
-    ) -> Staged | None:
+    def stage(self, request: SaveRequest, *, background: bool) -> Staged | None:
+        """The training thread's part of ``request``; the rest is the returned commit."""
         s = self.session
+        step, state, decision = request.step, request.state, request.decision
+        epoch, metrics, metadata = request.epoch, request.metrics, request.metadata
+        attachments = request.attachments
         if attachments:
             raise ValueError(
                 "attachments are not supported by multi-rank saves yet: save them from one "
@@ -93,6 +84,7 @@ class CollectiveWriter:
             codec=s.options.codec,
             workers=s.options.workers,
             lineage=s.lineage_ref() if s.scope.coordinator else None,
+            metadata=encode_metadata(metadata),
         )
         try:
             if not disk:

@@ -104,7 +104,7 @@ class RankMemory:
         # half-written is dropped.
         self.tier.claim(disk_run=session.run)
         # The node's memory budget: half for the replicas it holds, half for its ranks'
-        # own copies (split among them), so the node's total never exceeds mem_budget.
+        # own copies (split among them), so the node's total never exceeds MemOptions.budget.
         self.replicator = Replicator(
             self.tier.store, self.peers_root, budget_bytes=max(1, node_mem.budget // 2)
         )

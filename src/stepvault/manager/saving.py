@@ -41,6 +41,21 @@ if TYPE_CHECKING:
 AfterCommit = Callable[[SaveInfo], None]
 
 
+@dataclass(frozen=True)
+class SaveRequest:
+    """One due save, as the manager hands it to the pipeline: what every destination
+    writes (ARCHITECTURE.md, "The save path")."""
+
+    step: int
+    state: Mapping[str, Any]
+    decision: SaveDecision
+    epoch: int | None = None
+    metrics: Mapping[str, Any] | None = None
+    metadata: Any = None
+    #: small files stored with the checkpoint (file name -> bytes or a path), read at stage
+    attachments: Mapping[str, Any] | None = None
+
+
 @dataclass
 class Staged:
     """A save past its training-thread part: the stall it cost and the rest to run."""
@@ -107,19 +122,12 @@ class LocalWriter:
         # Exact entries stay views of the staging area, held until the write is done.
         return {n: to_host(v) for n, v in arrays.items()}
 
-    def stage(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        decision: SaveDecision,
-        *,
-        epoch: int | None,
-        metrics: Mapping[str, Any] | None,
-        metadata: Any,
-        background: bool,
-        attachments: Mapping[str, Any] | None = None,
-    ) -> Staged | None:
+    def stage(self, request: SaveRequest, *, background: bool) -> Staged | None:
+        """The training thread's part of ``request``; the rest is the returned commit."""
         s = self.session
+        step, state, decision = request.step, request.state, request.decision
+        epoch, metrics, metadata = request.epoch, request.metrics, request.metadata
+        attachments = request.attachments
         t0 = time.perf_counter()
         try:
             s.scope.check_state(state)
@@ -271,32 +279,14 @@ class SavePipeline:
                 self.session.raise_or_warn(exc)
         return True
 
-    def run(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        decision: SaveDecision,
-        *,
-        epoch: int | None,
-        metrics: Mapping[str, Any] | None,
-        metadata: Any,
-        attachments: Mapping[str, Any] | None = None,
-    ) -> SaveHandle | None:
-        """Start the save ``decision`` asked for; None when it was skipped or failed (and
+    def run(self, request: SaveRequest) -> SaveHandle | None:
+        """Start the save ``request`` asks for; None when it was skipped or failed (and
         the failure only warned)."""
+        step, decision = request.step, request.decision
         background = self.bg is not None and not decision.urgent
         if not self._admit(step, background):
             return None
-        staged = self.writer.stage(
-            step,
-            state,
-            decision,
-            epoch=epoch,
-            metrics=metrics,
-            metadata=metadata,
-            background=background,
-            attachments=attachments,
-        )
+        staged = self.writer.stage(request, background=background)
         if staged is None:
             return None
         kind = staged.kind or decision.kind

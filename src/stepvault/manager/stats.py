@@ -102,5 +102,5 @@ class ManagerStats:
             "staging_bytes": staging_bytes,  # host memory held for staging now
             "staging_ready": ready,  # buffers allocated and pre-faulted for the next save
             "staging_peak_bytes": peak,
-            "staging_budget_bytes": budget,  # staging_memory (None: one copy of the state)
+            "staging_budget_bytes": budget,  # StagingOptions.memory (None: one copy of the state)
         }

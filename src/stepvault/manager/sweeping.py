@@ -14,7 +14,7 @@ Safety is the sweep's own (``engine/gc.py``): objects younger than the grace per
 never removed (a save in flight writes new objects and touches reused ones), and the
 sweep stops at a manifest it cannot read. While this process may be saving, the grace
 period is at least :data:`~stepvault.tiers.mover.CONCURRENT_GRACE_FLOOR`; the sweep at
-``close()``, with every save finished, uses the manager's ``gc_grace_seconds`` as is.
+``close()``, with every save finished, uses the manager's ``GCOptions.grace_seconds`` as is.
 """
 
 from __future__ import annotations
