@@ -57,9 +57,11 @@ FIRST_WRITER = (
 import sys, time
 from stepvault import CheckpointManager
 from stepvault.errors import LeaseLostError
+from stepvault.manager.options import LeaseOptions, ManagerOptions
 from stepvault.store.local import LocalBackend
 
-mgr = CheckpointManager(sys.argv[1], "r", async_save=True, lease_stale_after=%(stale)r)
+options = ManagerOptions(lease=LeaseOptions(stale_after=%(stale)r))
+mgr = CheckpointManager(sys.argv[1], "r", async_save=True, options=options)
 for step in (1, 2, 3):
     mgr.save(step, state_of(step), force=True, metadata={"writer": "first"})
 mgr.wait()
@@ -99,8 +101,10 @@ NEW_OWNER = (
     + """
 import os, sys
 from stepvault import CheckpointManager
+from stepvault.manager.options import LeaseOptions, ManagerOptions
 
-with CheckpointManager(sys.argv[1], "r", async_save=True, lease_stale_after=%(stale)r) as mgr:
+options = ManagerOptions(lease=LeaseOptions(stale_after=%(stale)r))
+with CheckpointManager(sys.argv[1], "r", async_save=True, options=options) as mgr:
     info = mgr.restore(state_of(0))
     print("RESUMED", info.step, flush=True)
     for step in range(4, 8):
