@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from ..errors import UnsupportedTypeError
 from ..store import Store
 from .agreement import c10d_tag, group_store, handshake
+from .host_copies import HostCopies, Unstaged
 from .planners import SafeSavePlanner, encode_value
 from .state import to_dcp
 from .storage import StepvaultWriter
@@ -50,11 +51,13 @@ def save_sharded(
     workers: int | None = None,
     lineage: str | None = None,
     metadata: Any = None,
+    host: HostCopies | None = None,
 ) -> None:
     """Save a (possibly sharded: DTensor, FSDP2) state dict from every rank of the group.
 
     ``metadata`` is the user metadata in its safe encoding (``core.values.encode_metadata``);
-    rank 0's value is the one committed.
+    rank 0's value is the one committed. ``host``: this rank's host copies of the state
+    (its memory copy), whose chunk digests the write shares (:mod:`.host_copies`).
 
     Every rank writes its own shards in parallel; replicated tensors are written once; the
     coordinator commits only after every rank reported success. If any rank fails, nothing
@@ -71,6 +74,7 @@ def save_sharded(
         workers=workers,
         lineage=lineage,
         metadata=metadata,
+        host=host,
     )
     dcp.save(dict(state_dict), storage_writer=writer, planner=SafeSavePlanner())
 
@@ -114,15 +118,20 @@ def save_state(
     timeout: float = 60.0,
     lineage: str | None = None,
     metadata: Any = None,
+    host: HostCopies | None = None,
 ) -> None:
     """``stepvault.save`` on every rank: modules, optimizers, RNGs and values via DCP.
 
     ``lineage`` is the digest of a lineage record already stored for ``run``, ``metadata``
-    the encoded user metadata (rank 0's values are the ones committed).
+    the encoded user metadata (rank 0's values are the ones committed). ``host``: this
+    rank's host copies of ``state`` (its memory copy), written in place of the live
+    tensors, with shared chunk digests (:mod:`.host_copies`).
     """
     handshake(f"save {run}@{step}", timeout)
-    dcp_state = _with_kinds(state)
+    dcp_state = _with_kinds(state, host)
     refuse_unencodable(f"save {run}@{step}", dcp_state, timeout)
+    if host is not None:
+        dcp_state = host.substitute(dcp_state) or dcp_state
     save_sharded(
         root,
         dcp_state,
@@ -134,11 +143,15 @@ def save_state(
         workers=workers,
         lineage=lineage,
         metadata=metadata,
+        host=host,
     )
 
 
-def _with_kinds(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The DCP state dict of a stepvault state, with the kind of each top-level entry."""
+def _with_kinds(state: Mapping[str, Any], host: HostCopies | None = None) -> dict[str, Any]:
+    """The DCP state dict of a stepvault state, with the kind of each top-level entry
+    (the one the rank's memory copy was taken from, when it made one of ``state``)."""
+    if host is not None and host.dcp_state is not None:
+        return dict(host.dcp_state)
     dcp_state, kinds = to_dcp(state, for_save=True)
     dcp_state["__stepvault_kinds__"] = kinds
     return dcp_state
@@ -238,15 +251,22 @@ class AsyncSaver:
         lineage: str | None = None,
         timeout: float = 60.0,
         metadata: Any = None,
+        host: HostCopies | None = None,
     ) -> Any:
         """Stage ``state`` and start its save; returns a future that the commit completes.
 
         Every rank must call this; if any rank fails, the future raises on every rank and
-        nothing is committed.
+        nothing is committed. ``host``: this rank's host copies of ``state`` (its memory
+        copy, made on the training thread): DCP writes them as they are (no second copy
+        into the kept staging buffers) with shared chunk digests (:mod:`.host_copies`).
         """
         handshake(f"save {run}@{step}", timeout)
-        dcp_state = _with_kinds(state)
+        dcp_state = _with_kinds(state, host)
         refuse_unencodable(f"save {run}@{step}", dcp_state, timeout)
+        stager: Any = self._stager
+        copied = None if host is None else host.substitute(dcp_state)
+        if copied is not None:  # already a host copy the training thread does not touch
+            dcp_state, stager = copied, Unstaged()
         writer = StepvaultWriter(
             store,
             run,
@@ -257,11 +277,12 @@ class AsyncSaver:
             workers=workers,
             lineage=lineage,
             metadata=metadata,
+            host=host,
         )
         return dcp.async_save(
             dcp_state,
             storage_writer=writer,
             planner=SafeSavePlanner(),
             process_group=self._pg,
-            async_stager=self._stager,
+            async_stager=stager,
         )

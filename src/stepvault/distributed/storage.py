@@ -47,6 +47,7 @@ from ..format import Manifest, ObjectEntry, parse_manifest
 from ..format.encoding import torch_dtype, torch_dtype_name
 from ..format.manifest import TensorEntry
 from ..store import Store, validate_run_name, validate_step
+from .host_copies import HostCopies
 
 
 def narrow_tensor_by_index(tensor: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
@@ -77,9 +78,13 @@ class StepvaultWriter(StorageWriter):
         overwrite: bool = True,
         workers: int | None = None,
         lineage: str | None = None,
+        host: HostCopies | None = None,
     ) -> None:
         super().__init__()
         self.lineage = lineage
+        #: this rank's host copies of the state (its memory copy): the tensors to write
+        #: when they are among them, with the chunk digests the memory write shares
+        self.host = host
         self.store = store
         self.run = validate_run_name(run)
         self.step = validate_step(step)
@@ -120,9 +125,14 @@ class StepvaultWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 values[key] = json.loads(cast(io.BytesIO, data).getvalue())
             else:
-                arrays[key] = to_host(data.detach())
+                t = cast(torch.Tensor, data).detach()
+                arrays[key] = to_host(t) if self.host is None else self.host.host_array(t)
         tensors, objects, stats = write_objects(
-            self.store, arrays, codec=self.codec, workers=self.workers
+            self.store,
+            arrays,
+            codec=self.codec,
+            workers=self.workers,
+            digests=None if self.host is None else self.host.digests,
         )
         results = []
         for key, index in indexes.items():

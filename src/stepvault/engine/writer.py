@@ -72,18 +72,31 @@ class ChunkDigests:
     padding included; a store with other chunk settings hashes its own chunks), and the
     buffers must not change until the last destination is written (the manager holds the
     staging area, or the training thread, until then).
+
+    With ``shared=True`` (a collective save: the rank's memory copy and its DCP write) a
+    write may name the registered buffers under other names and hold other arrays too:
+    a digest is then keyed by the buffers' identity (never by a name), chunks whose every
+    member is a registered buffer share digests, the rest are hashed on every write and
+    not kept, and a chunk being hashed by one destination is waited for by the other.
     """
 
-    def __init__(self, arrays: Mapping[str, HostArray]) -> None:
+    def __init__(self, arrays: Mapping[str, HostArray], *, shared: bool = False) -> None:
         self._arrays = dict(arrays)
+        self.shared = shared
+        # identity of each registered buffer (kept alive by self._arrays: ids stay unique)
+        self._ids = {id(a) for a in self._arrays.values()}
         self._digests: dict[tuple[Any, ...], str] = {}
+        self._pending: dict[tuple[Any, ...], threading.Event] = {}
         self._lock = threading.Lock()
         #: raw bytes hashed so far (once per chunk) and bytes whose digest was reused
         self.hashed_bytes = 0
         self.reused_bytes = 0
 
     def check(self, arrays: Mapping[str, HostArray]) -> None:
-        """Refuse ``arrays`` unless they are the very buffers these digests were made for."""
+        """Refuse ``arrays`` unless they are the very buffers these digests were made for
+        (``shared``: any arrays; only chunks of registered buffers share digests)."""
+        if self.shared:
+            return
         same = arrays.keys() == self._arrays.keys() and all(
             arrays[name] is self._arrays[name] for name in arrays
         )
@@ -94,18 +107,41 @@ class ChunkDigests:
                 "ChunkDigests(arrays) for these arrays (or pass digests=None)"
             )
 
-    def digest(self, plan: ChunkPlan, raw: memoryview) -> str:
-        """The digest of chunk ``plan`` whose bytes are ``raw``: hashed on first use only."""
-        key = (plan.dtype, plan.size, tuple(plan.members))
-        found = self._digests.get(key)
-        if found is not None:
+    def digest(
+        self, plan: ChunkPlan, raw: memoryview, arrays: Mapping[str, HostArray] | None = None
+    ) -> str:
+        """The digest of chunk ``plan`` whose bytes are ``raw`` (read from ``arrays``, the
+        write's arrays): hashed on first use only."""
+        members: tuple[Any, ...] = tuple(plan.members)
+        if self.shared:
+            if arrays is None or any(id(arrays[m[0]]) not in self._ids for m in members):
+                # Not only registered buffers: nothing says these bytes are the same.
+                with self._lock:
+                    self.hashed_bytes += raw.nbytes
+                return content_hash(raw)
+            # The same registered buffers at the same offsets: the same bytes, any names.
+            members = tuple((id(arrays[n]), off, at, length) for n, off, at, length in members)
+        key = (plan.dtype, plan.size, members)
+        while True:
             with self._lock:
-                self.reused_bytes += raw.nbytes
-            return found
-        digest = content_hash(raw)
-        with self._lock:
-            self._digests[key] = digest
-            self.hashed_bytes += raw.nbytes
+                found = self._digests.get(key)
+                if found is not None:
+                    self.reused_bytes += raw.nbytes
+                    return found
+                waiting = self._pending.get(key)
+                if waiting is None:  # this thread hashes the chunk
+                    done = self._pending[key] = threading.Event()
+                    break
+            waiting.wait()  # another destination is hashing it (or failed: then hash here)
+        try:
+            digest = content_hash(raw)
+            with self._lock:
+                self._digests[key] = digest
+                self.hashed_bytes += raw.nbytes
+        finally:
+            with self._lock:
+                del self._pending[key]
+            done.set()
         return digest
 
 
@@ -153,7 +189,11 @@ class _ChunkWriter:
 
     def __call__(self, plan: ChunkPlan) -> _ChunkResult:
         raw = self._raw(plan)
-        digest = content_hash(raw) if self.digests is None else self.digests.digest(plan, raw)
+        digest = (
+            content_hash(raw)
+            if self.digests is None
+            else self.digests.digest(plan, raw, self.arrays)
+        )
         with self._lock:
             mine = digest not in self._claimed
             self._claimed.add(digest)

@@ -10,6 +10,7 @@ the same commit epilogue as every other save (``catalog/commit.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,10 @@ class CollectiveWriter:
             lineage=s.lineage_ref() if s.scope.coordinator else None,
             metadata=encode_metadata(metadata),
         )
+        if rank_staged is not None:
+            # The DCP write reads the memory copy's host buffers and shares its chunk
+            # digests: each chunk of this rank hashed once for both destinations.
+            args["host"] = rank_staged.copies
         try:
             if not disk:
                 pass  # in node memory only this time (the tier policy's CopyEvery)
@@ -100,12 +105,21 @@ class CollectiveWriter:
             s.failed(step, exc)
             s.raise_or_warn(exc)
             return None
+        finally:
+            if rank_staged is not None:
+                rank_staged.copies.forget_sources()  # the live tensors are not held
         stall = time.perf_counter() - t0
 
         def commit() -> tuple[SaveInfo, dict[str, Any]]:
             fields: dict[str, Any] = {"world_size": torch.distributed.get_world_size()}
             if rank_mem is not None:
-                mem_info, more = rank_mem.commit(step, rank_staged)
+                try:
+                    mem_info, more = rank_mem.commit(step, rank_staged)
+                except BaseException:
+                    if background and disk:  # it reads the memory copy's buffers: done
+                        with contextlib.suppress(BaseException):  # before they are reused
+                            future.result()
+                    raise
                 fields.update(more)  # a failed mem write says so ("mem", "tier": "hot")
                 if mem_info is not None:
                     fields["tier"] = "mem+hot" if disk else "mem"
@@ -124,6 +138,8 @@ class CollectiveWriter:
                 except BaseException as exc:
                     s.failed(step, exc)
                     raise
+            if rank_staged is not None:  # both writes done: the bytes this rank hashed
+                fields["hashed_bytes"] = rank_staged.copies.digests.hashed_bytes
             m = parse_manifest(s.store.read_manifest(s.run, step), f"{s.run}@{step}")
             info = SaveInfo.of_manifest(m, time.perf_counter() - t0, kind)
             return info, fields

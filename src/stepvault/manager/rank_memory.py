@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..core.info import RestoreInfo, SaveInfo
 from ..core.write import new_manifest
+from ..distributed.host_copies import HostCopies
 from ..distributed.local_shards import KINDS, SHARDS, apply_local, localize
 from ..distributed.replication import Replicator, rank_run
 from ..distributed.state import has_dtensor
@@ -46,20 +47,22 @@ from .mem_saving import MemRun, MemSaver, _estimate
 from .session import RunSession
 
 
-def _copy(value: Any, buffers: dict[str, torch.Tensor], name: str) -> Any:
+def _copy(value: Any, buffers: dict[str, torch.Tensor], name: str, copies: HostCopies) -> Any:
     """A host copy the training thread may overwrite the source of at once, into the
     buffer of the previous save when it fits (allocating and faulting in fresh pages on
-    every save costs several times the copy)."""
+    every save costs several times the copy); recorded in ``copies`` (the DCP write of the
+    same save reads these buffers too)."""
     if not isinstance(value, torch.Tensor):
         import numpy as np
 
-        return to_host(np.array(value, copy=True))
+        copies.arrays[name] = to_host(np.array(value, copy=True))
+        return copies.arrays[name]
     src = value.detach()
     buf = buffers.get(name)
     if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
         buf = buffers[name] = torch.empty(src.shape, dtype=src.dtype, device="cpu")
     buf.copy_(src)
-    return to_host(buf)
+    return copies.add(name, src, buf)
 
 
 @dataclass
@@ -69,6 +72,9 @@ class RankStaged:
     manifest: Manifest
     host: dict[str, Any]
     urgent: bool
+    #: the host buffers of ``host`` by the live tensors they copy, and their chunk digests
+    #: (shared with this save's DCP write: each chunk hashed once)
+    copies: HostCopies
 
 
 class RankMemory:
@@ -154,8 +160,11 @@ class RankMemory:
         try:
             kind = "weights" if decision.kind == "weights" else "full"
             source: Mapping[str, Any] = state
+            copies = HostCopies()
             if has_dtensor(state):  # FSDP2 / tensor parallel: this rank's local shards
-                source = localize(state, for_save=True)[0]
+                source, dcp_state = localize(state, for_save=True)
+                if kind == "full":  # the DCP write of this save writes the same dict
+                    copies.dcp_state = {**dcp_state, "__stepvault_kinds__": source[KINDS]}
                 if kind == "weights":
                     source[SHARDS] = {
                         k: v for k, v in source[SHARDS].items() if source[KINDS][k] == "module"
@@ -167,13 +176,15 @@ class RankMemory:
             )
             # The previous save's commit is done (collective saves wait for it), so its
             # buffers are free; the replica is read from the mem store, not from them.
-            host = {name: _copy(v, self._buffers, name) for name, v in snapshot.arrays.items()}
+            host = {
+                name: _copy(v, self._buffers, name, copies) for name, v in snapshot.arrays.items()
+            }
             for gone in set(self._buffers) - set(host):
                 del self._buffers[gone]
             need = _estimate(host, int(self.tier.store.settings.get("chunk_size", 32 << 20)))
             on_disk = set(self.session.store.list_steps(self.session.run))
             if self.tier.make_room(need, on_disk, log=self.saver.session.event):
-                staged = RankStaged(manifest, host, decision.urgent)
+                staged = RankStaged(manifest, host, decision.urgent, copies)
             else:
                 self.saver.session.event(
                     "mem_over_budget", step=step, needed_bytes=need, budget=self.tier.budget
@@ -198,7 +209,9 @@ class RankMemory:
         info: SaveInfo | None = None
         fields: dict[str, Any] = {}
         if staged is not None:
-            info, fields = self.saver.save(staged.manifest, staged.host, urgent=staged.urgent)
+            info, fields = self.saver.save(
+                staged.manifest, staged.host, urgent=staged.urgent, digests=staged.copies.digests
+            )
         # Every rank queues every step (the replicator's transfers pair ranks in order); a
         # rank without this step in memory offers it as missing and its buddy logs the skip.
         self.replicator.replicate(self.session.run, step)
