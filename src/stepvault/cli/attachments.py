@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Annotated, Any
 
@@ -15,6 +14,7 @@ from ..errors import StepvaultError
 from ..format import parse_manifest
 from ..store import Store
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
+from .output import print_table
 
 
 def _attachments(store: Store, run: str, step: int) -> dict[str, Any]:
@@ -115,7 +115,7 @@ def diff_cmd(
             (row["after"] or {}).get("blake3", "")[:12],
         )
     if files:
-        console.print(table)
+        print_table(table)
 
     def num(x: float | None) -> str:
         return "" if x is None else f"{x:.3g}"
@@ -133,9 +133,10 @@ def diff_cmd(
             human_bytes(t.exact_bytes),
             human_bytes(t.light_bytes),
         )
-    console.print(tensors)
+    print_table(tensors)
+    counts = ", ".join(f"{n} {status}" for status, n in doc["counts"].items()) or "none"
     console.print(
-        f"tensors: {json.dumps(doc['counts'])}; an exact checkpoint of {after} after {before} "
+        f"tensors: {counts}; an exact checkpoint of {after} after {before} "
         f"stores {human_bytes(report.exact_bytes)} of new chunks, a light one "
         f"~{human_bytes(report.light_bytes)}",
         highlight=False,

@@ -22,8 +22,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)  # a long line stays one line: whole in a pipe
+err_console = Console(stderr=True, soft_wrap=True)  # an error is one line
 
 RootOpt = Annotated[
     str | None,

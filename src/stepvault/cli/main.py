@@ -33,6 +33,7 @@ from .common import (
     duration_option,
     human_bytes,
 )
+from .output import print_table
 from .progress import progress_bars
 
 
@@ -94,6 +95,10 @@ def show_cmd(
         from .attachments import attachments_json  # issue 19: with later attached files
 
         doc["attachments"] = attachments_json(ckpt.store, m.run, m.step)
+        from ..tiers.view import TieredView
+
+        if isinstance(ckpt.store, TieredView):
+            doc["tiers"] = ckpt.store.where(m.run, m.step)
         if not tensors:
             doc["tensors"] = len(m.tensors)
             doc["objects"] = len(m.objects)
@@ -103,10 +108,17 @@ def show_cmd(
         f"parent={m.parent_step}  created={_time(m.created)}",
         highlight=False,
     )
+    from ..tiers.view import TieredView
+
+    if isinstance(ckpt.store, TieredView):  # a store with cold tiers: where it is
+        console.print(f"tiers: {', '.join(ckpt.store.where(m.run, m.step))}", highlight=False)
     console.print(
         f"tensors: {len(m.tensors)}  objects: {len(m.objects)}  "
-        f"logical: {human_bytes(m.logical_bytes)}  stored: {human_bytes(m.stored_bytes)}"
-        f"  new in this save: {human_bytes(m.stats.get('new_bytes', 0))}",
+        f"logical: {human_bytes(m.logical_bytes)} (tensor data)  "
+        f"stored: {human_bytes(m.stored_bytes)} (all its objects: tensors, other state, "
+        f"object headers; after compression)  "
+        f"new in this save: {human_bytes(m.stats.get('new_bytes', 0))} (objects not "
+        "already in the store)",
         highlight=False,
     )
     if m.metrics:
@@ -125,7 +137,7 @@ def show_cmd(
             table.add_row(
                 name, t.dtype, str(tuple(t.shape)), human_bytes(t.nbytes), str(len(t.chunks))
             )
-        console.print(table)
+        print_table(table)
     return None
 
 
@@ -157,7 +169,9 @@ def verify_cmd(
     try:
         run, step = parse_ref(ref) if ref else (None, None)
         if step == "latest" and run is not None:  # RUN alone verifies the whole run
-            step = latest_step(Store.open(_root(root)), run)
+            from ..tiers.view import read_view
+
+            step = latest_step(read_view(Store.open(_root(root))), run)
         with progress_bars(as_json=as_json) as bars:  # deep: every byte is re-hashed
             task = bars.task("verify --deep" if deep else "verify")
             report = _ops().verify(_root(root), run, step, deep=deep, progress=task)
@@ -191,10 +205,12 @@ def verify_cmd(
     else:
         mode = "deep" if deep else "quick"
         for c in report.checkpoints:
+            # a store with cold tiers: say where each checkpoint was verified
+            where = f"  (in {', '.join(c.tiers)})" if c.tiers and c.tiers != ["hot"] else ""
             if c.ok:
-                console.print(f"[green]ok[/]       {c.run}@{c.step}", highlight=False)
+                console.print(f"[green]ok[/]       {c.run}@{c.step}{where}", highlight=False)
             else:
-                console.print(f"[red]DAMAGED[/]  {c.run}@{c.step}", highlight=False)
+                console.print(f"[red]DAMAGED[/]  {c.run}@{c.step}{where}", highlight=False)
                 for p in c.problems:
                     console.print(f"         - {p}", highlight=False)
         console.print(
@@ -252,15 +268,30 @@ def du_cmd(
             human_bytes(r.logical_bytes),
             human_bytes(r.unique_stored_bytes),
         )
-    console.print(table)
+    print_table(table)
     ratio = u.stored_bytes / u.logical_bytes if u.logical_bytes else 0.0
+    # Small checkpoints: headers, state structure and non-tensor values outweigh tensor data
+    # and what compression gains; say so instead of a negative saving or a ratio above 1.
+    comp = u.compression_savings
+    comp_text = (
+        f"compression saved {human_bytes(comp)}"
+        if comp >= 0
+        else f"object headers and framing add {human_bytes(-comp)}; compression saved nothing"
+    )
+    overhead = (
+        "  (above 1: object headers and non-tensor state outweigh tensor data, as in "
+        "small checkpoints)"
+        if ratio > 1
+        else ""
+    )
     console.print(
-        f"logical (full copies): {human_bytes(u.logical_bytes)}\n"
-        f"after dedup:           {human_bytes(u.raw_bytes)}  "
-        f"(saved {human_bytes(u.dedup_savings)})\n"
-        f"stored:                {human_bytes(u.stored_bytes)}  "
-        f"(compression saved {human_bytes(u.compression_savings)})\n"
-        f"stored / logical:      {ratio:.3f}\n"
+        f"logical (tensor data of every checkpoint, full copies): "
+        f"{human_bytes(u.logical_bytes)}\n"
+        f"after dedup (objects, incl. non-tensor state): {human_bytes(u.raw_bytes)}  "
+        f"(saved {human_bytes(max(0, u.dedup_savings))})\n"
+        f"stored (objects as written, with headers): {human_bytes(u.stored_bytes)}  "
+        f"({comp_text})\n"
+        f"stored / logical: {ratio:.3f}{overhead}\n"
         f"objects: {u.objects}; unreferenced: {u.unreferenced_objects} "
         f"({human_bytes(u.unreferenced_bytes)})",
         highlight=False,
@@ -320,12 +351,13 @@ def export_cmd(
 ) -> None:
     """Export a checkpoint: a deployable model folder, or weights as safetensors."""
     from ..ops.export_hf import export_checkpoint  # issue 19: one exporter for every format
+    from ..tiers.view import read_view
 
     try:
         run, step = parse_ref(ref)
         with progress_bars(as_json=as_json) as bars:
             report = export_checkpoint(
-                Store.open(_root(root)),
+                read_view(Store.open(_root(root))),  # any tier, as restore reads them
                 run,
                 step,
                 output,
@@ -540,7 +572,7 @@ def events_cmd(
         table.add_row(
             _time(e.get("time", 0)), e.get("event", "?"), str(e.get("step", "")), " ".join(details)
         )
-    console.print(table)
+    print_table(table)  # one line per event in a pipe or a narrow terminal
     return None
 
 

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..errors import StepvaultError
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
+from .output import print_table
 
 
 def duration_text(seconds: float | None) -> str:
@@ -105,6 +106,12 @@ def plan_cmd(
     try:
         if failures == "weibull" and weibull_shape is None:
             raise StepvaultError("--failures weibull needs --weibull-shape K (e.g. 0.7)")
+        if run is None and step_time is None and duration is None and total_steps is None:
+            # The interval needs the save cost and the MTBF alone: answer that, say the rest.
+            doc = interval_only(save_cost, mtbf, nodes, node_mtbf)
+            if as_json:
+                return _emit_json(doc)
+            return _print_interval_only(doc)
         result = make_plan(
             _root(root) if run is not None else None,
             run,
@@ -157,7 +164,7 @@ def _print(doc: dict[str, Any]) -> None:
                 for k, v in value.items()
             )
         inputs.add_row(name, str(value), item["source"])
-    console.print(inputs)
+    print_table(inputs)
 
     iv = doc["interval"]
     table = Table("interval", "compute between saves", "steps", title="checkpoint interval")
@@ -173,7 +180,7 @@ def _print(doc: dict[str, Any]) -> None:
             duration_text(iv["current_seconds"]),
             "-" if steps is None else f"{steps:.0f}",
         )
-    console.print(table)
+    print_table(table)
 
     rows = [g for g in (doc["goodput"]["optimum"], doc["goodput"]["current"]) if g]
     goodput = Table("", *(g["label"] for g in rows), title="goodput (expected over the run)")
@@ -188,7 +195,7 @@ def _print(doc: dict[str, Any]) -> None:
         ("policy", lambda g: g["policy"]),
         ("saves", lambda g: str(g["saves"])),
         ("ETTR (useful / wall)", lambda g: f"{g['ettr']:.4f}"),
-        (f"simulated ({rows[0].get('simulated', {}).get('distribution', '-')})", simulated),
+        (f"simulated ({(rows[0].get('simulated') or {}).get('distribution', '-')})", simulated),
         ("wall time", lambda g: duration_text(g["wall_seconds"])),
         ("in saves", lambda g: duration_text(g["save_seconds"])),
         ("in restarts", lambda g: duration_text(g["restart_seconds"])),
@@ -201,7 +208,7 @@ def _print(doc: dict[str, Any]) -> None:
     ]
     for name, cell in lines:
         goodput.add_row(name, *(cell(g) for g in rows))
-    console.print(goodput)
+    print_table(goodput)
     console.print(
         f"RTO (expected time to ready after a failure): {duration_text(doc['rto_seconds'])}",
         highlight=False,
@@ -237,7 +244,76 @@ def _print(doc: dict[str, Any]) -> None:
                 money(t["cost_run"]),
                 money(t["cost_per_month_after"]),
             )
-        console.print(table)
+        print_table(table)
     notes = doc["assumptions"] + ([] if storage is None else storage["assumptions"])
     for note in notes:
+        console.print(f"[dim]assumed:[/] {note}", highlight=False)
+
+
+def interval_only(
+    save_cost: str | None, mtbf: str | None, nodes: int | None, node_mtbf: str | None
+) -> dict[str, Any]:
+    """The checkpoint interval from ``--save-cost`` and the MTBF alone (no run length, no
+    step time): Young's, Daly's and the exact optimum in time, with the assumptions made."""
+    from ..planning import interval as iv
+    from ..planning.units import PlanError, parse_duration
+
+    if save_cost is None:
+        raise PlanError(
+            "give --save-cost SECONDS (what training waits for per save), or a RUN whose "
+            "saves were measured"
+        )
+    if mtbf is not None:
+        m = parse_duration("--mtbf", mtbf)
+        mtbf_source = "given"
+    elif node_mtbf is not None and nodes is not None:
+        if nodes < 1:
+            raise PlanError(f"--nodes must be at least 1, got {nodes}")
+        m = parse_duration("--node-mtbf", node_mtbf) / nodes
+        mtbf_source = f"--node-mtbf / {nodes} nodes"
+    else:
+        raise PlanError("give --mtbf 24h (the job's), or --node-mtbf 5y with --nodes N")
+    delta = parse_duration("--save-cost", save_cost)
+    if delta <= 0 or m <= 0:
+        raise PlanError("--save-cost and the MTBF must be positive durations")
+    assumptions = [
+        f"failures arrive at a constant rate (exponential) with MTBF {duration_text(m)}",
+        f"each save stops training for {duration_text(delta)} (the whole --save-cost; for an "
+        "async save give the stall only)",
+        "the intervals are compute time between saves; they do not depend on the step time "
+        "or the run's length",
+        "for the interval in steps, goodput, RPO and the storage bill give --step-time and "
+        "--duration (or --total-steps), or a RUN to measure",
+    ]
+    if delta >= 2 * m:
+        assumptions.append(
+            "the save cost is at least twice the MTBF: Daly's interval is the MTBF; "
+            "checkpointing cannot keep up with these failures"
+        )
+    return {
+        "inputs": {
+            "save_cost_seconds": {"value": delta, "source": "given"},
+            "mtbf_seconds": {"value": m, "source": mtbf_source},
+        },
+        "interval": {
+            "young_seconds": iv.young_interval(delta, m),
+            "daly_seconds": iv.daly_interval(delta, m),
+            "exact_seconds": iv.exact_interval(delta, m),
+        },
+        "assumptions": assumptions,
+    }
+
+
+def _print_interval_only(doc: dict[str, Any]) -> None:
+    iv = doc["interval"]
+    console.print(
+        f"save every {duration_text(iv['daly_seconds'])} of compute (Daly's interval)",
+        highlight=False,
+    )
+    table = Table("interval", "compute between saves", title="checkpoint interval")
+    table.add_row("Young  sqrt(2CM)", duration_text(iv["young_seconds"]))
+    table.add_row("Daly (2006)", duration_text(iv["daly_seconds"]))
+    table.add_row("exact optimum", duration_text(iv["exact_seconds"]))
+    print_table(table)
+    for note in doc["assumptions"]:
         console.print(f"[dim]assumed:[/] {note}", highlight=False)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import default_workers, fetch_object
-from ..errors import IntegrityError, StepvaultError
+from ..errors import CheckpointNotFoundError, IntegrityError, StepvaultError
 from ..format import Manifest, parse_manifest
 from ..store import Store, validate_run_name
 
@@ -21,13 +21,21 @@ class CheckpointReport:
     run: str
     step: int
     problems: list[str] = field(default_factory=list)
+    #: the tiers holding its manifest, hot first (empty for a store without cold tiers)
+    tiers: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {"run": self.run, "step": self.step, "ok": self.ok, "problems": self.problems}
+        return {
+            "run": self.run,
+            "step": self.step,
+            "ok": self.ok,
+            "problems": self.problems,
+            "tiers": self.tiers,
+        }
 
 
 @dataclass
@@ -94,7 +102,11 @@ def verify_store(
     """Check every checkpoint of the store (or of ``run``, or just ``run@step``).
 
     ``progress(done, total)`` is called with the bytes checked so far (for a progress bar).
+    A :class:`~stepvault.tiers.TieredView` (see :func:`verify`) checks every tier: each
+    checkpoint where restore would read it, its report naming the tiers that hold it.
     """
+    from ..tiers.view import TieredView
+
     report = VerifyReport(deep=deep)
     targets: list[tuple[str, int]] = []
     runs = [run] if run is not None else store.list_runs()
@@ -105,6 +117,8 @@ def verify_store(
     needed: dict[str, int] = {}
     for r, s in targets:
         rep = CheckpointReport(r, s)
+        if isinstance(store, TieredView):
+            rep.tiers = store.where(r, s)
         try:
             m = parse_manifest(store.read_manifest(r, s), f"{r}@{s}")
         except StepvaultError as exc:
@@ -144,9 +158,39 @@ def verify(
     workers: int | None = None,
     progress: Callable[[int, int | None], None] | None = None,
 ) -> VerifyReport:
-    """Check checkpoints: quick (objects present, sizes right) or ``deep`` (re-hash all)."""
+    """Check checkpoints: quick (objects present, sizes right) or ``deep`` (re-hash all).
+
+    Every tier is checked, as :func:`stepvault.restore` reads them: a checkpoint only in a
+    cold tier (``stepvault tier RUN --to archive --evict``) is verified there, and each
+    :class:`CheckpointReport` names its ``tiers``. A ``run`` (or ``run@step``) that no tier
+    holds raises :class:`~stepvault.errors.CheckpointNotFoundError` naming what exists.
+    """
+    from ..tiers.view import read_view
+
+    store = read_view(Store.open(root))
     if run is not None:
-        validate_run_name(run)
-    return verify_store(
-        Store.open(root), run=run, step=step, deep=deep, workers=workers, progress=progress
-    )
+        require_checkpoint(store, run, step)
+    return verify_store(store, run=run, step=step, deep=deep, workers=workers, progress=progress)
+
+
+def require_checkpoint(store: Store, run: str, step: int | None = None) -> None:
+    """Raise :class:`~stepvault.errors.CheckpointNotFoundError` unless ``run`` (and
+    ``run@step``) exists in ``store``; the message lists the runs (or steps) that do."""
+    import difflib
+
+    validate_run_name(run)
+    runs = store.list_runs()
+    if run not in runs:
+        near = difflib.get_close_matches(run, runs, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        have = ", ".join(runs[:20]) + (", ..." if len(runs) > 20 else "") if runs else "none"
+        raise CheckpointNotFoundError(f"no run {run!r} in {store.backend.url} (runs: {have}){hint}")
+    if step is not None:
+        steps = store.list_steps(run)
+        if step not in steps:
+            shown = ", ".join(map(str, steps[-10:]))
+            more = f"{len(steps)} checkpoints, the newest: " if len(steps) > 10 else ""
+            raise CheckpointNotFoundError(
+                f"no checkpoint {run}@{step} in any tier of {store.backend.url} "
+                f"({run} has {more}{shown or 'none'})"
+            )
