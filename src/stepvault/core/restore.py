@@ -128,7 +128,7 @@ def restore(
             f"run {run!r} has no committed checkpoint in {store.backend.url} "
             f"(runs: {', '.join(store.list_runs()) or 'none'})"
         )
-    return restore_local(
+    info = restore_local(
         source,
         state,
         chosen,
@@ -145,6 +145,30 @@ def restore(
         progress=progress,
         on_sharded=lambda _step: _no_assign(assign),
     )
+    _warn_lacking(info, state)
+    return info
+
+
+def _warn_lacking(info: RestoreInfo | None, state: MutableMapping[str, Any]) -> None:
+    """An import that recorded what its source lacked (``metadata["lacks"]``, a list, or
+    ``metadata["missing"]``, entry -> why; e.g. a weights-only file has no optimizer): warn
+    when the live state expected it (a ``strict=False`` restore leaves it fresh)."""
+    meta = (info.metadata or {}) if info is not None else {}
+    lacks = {str(k) for k in meta.get("lacks") or []} | {str(k) for k in meta.get("missing") or {}}
+    missing = [
+        key
+        for key, obj in state.items()
+        if key in lacks or ("optimizer" in lacks and isinstance(obj, torch.optim.Optimizer))
+    ]
+    if info is not None and missing:
+        import warnings
+
+        warnings.warn(
+            f"{info.run}@{info.step} was imported from a source without {', '.join(missing)} "
+            f"({info.metadata.get('imported_from')}): {', '.join(missing)} kept its fresh "
+            "state, so training does not continue where the source left off",
+            stacklevel=3,
+        )
 
 
 def _no_assign(assign: bool) -> None:

@@ -11,12 +11,75 @@ needed up front; :func:`detect_format` points there.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ...core.info import SaveInfo
-from ...core.write import save
 from ...errors import StepvaultError, UntrustedInputError
-from .base import ImportedState, Importer, kind_for
+from .base import ImportedState, Importer, is_optimizer_state, kind_for
+
+
+def optimizer_by_index(value: Any, where: str) -> tuple[Any, list[list[str]] | None]:
+    """An optimizer state dict keyed by parameter names → the layout ``load_state_dict`` takes.
+
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` (and DCP checkpoints written
+    from it) key ``state`` and list ``param_groups[i]["params"]`` by fully qualified
+    parameter names. ``Optimizer.state_dict()`` numbers the parameters 0, 1, ... across the
+    groups in order instead, and ``Optimizer.load_state_dict`` keeps any ``state`` key it
+    cannot match to a group's ``params`` as an unused entry: a resume that silently starts
+    from an empty optimizer. The names are numbered in their group order (what
+    ``state_dict()`` would have written for the same optimizer); returns the converted
+    state and the names per group (None when ``value`` needed no conversion). A state whose
+    keys are not all listed in the groups is refused, naming them.
+    """
+    if not is_optimizer_state(value):
+        return value, None
+    groups, state = value["param_groups"], value["state"]
+    if not isinstance(groups, list | tuple) or not isinstance(state, Mapping):
+        raise StepvaultError(f"{where}: optimizer state with malformed param_groups/state")
+    params = [p for g in groups for p in (g.get("params", []) if isinstance(g, Mapping) else [])]
+    keys = list(params) + list(state)
+    if all(isinstance(k, int) and not isinstance(k, bool) for k in keys):
+        return value, None  # torch's own layout
+    if not all(isinstance(k, str) for k in keys):
+        raise StepvaultError(
+            f"{where}: optimizer state mixes parameter names and numbers "
+            f"({', '.join(repr(k) for k in keys[:4])}...); save it with one layout "
+            "(Optimizer.state_dict() or get_state_dict) and import again"
+        )
+    if len(set(params)) != len(params):
+        dup = next(p for p in params if params.count(p) > 1)
+        raise StepvaultError(f"{where}: parameter {dup!r} is listed in two param groups")
+    index = {name: i for i, name in enumerate(params)}
+    unknown = [k for k in state if k not in index]
+    if unknown:
+        raise StepvaultError(
+            f"{where}: optimizer state for {', '.join(map(repr, unknown[:5]))} whose "
+            "parameters no param group lists; load_state_dict would ignore it (and resume "
+            "with an empty optimizer). Save param_groups with the state, e.g. with "
+            "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)"
+        )
+    names = [[p for p in g["params"]] for g in groups]
+    converted = {
+        **value,
+        "state": {index[k]: v for k, v in state.items()},
+        "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in groups],
+    }
+    return converted, names
+
+
+def optimizers_by_index(imported: ImportedState) -> None:
+    """Convert every top-level optimizer entry of ``imported`` keyed by parameter names
+    (:func:`optimizer_by_index`), recording the names in ``metadata["optimizer_param_names"]``
+    (entry → names per param group)."""
+    recorded: dict[str, list[list[str]]] = {}
+    for key, value in list(imported.tree.items()):
+        converted, names = optimizer_by_index(value, f"{imported.source}: entry {key!r}")
+        if names is not None:
+            imported.tree[key] = converted
+            recorded[key] = names
+    if recorded:
+        imported.metadata["optimizer_param_names"] = recorded
 
 
 class DcpImporter(Importer):
@@ -49,8 +112,23 @@ class DcpImporter(Importer):
             planner=_EmptyStateDictLoadPlanner(),
             no_dist=True,
         )
-        kinds = {k: kind_for(v) for k, v in state.items()}
-        return ImportedState("dcp", os.path.abspath(path), state, kinds, files=[".metadata"])
+        if not state:
+            raise StepvaultError(f"{path}: the DCP checkpoint holds no entries; nothing to import")
+        imported = ImportedState("dcp", os.path.abspath(path), state, {}, files=[".metadata"])
+        optimizers_by_index(imported)
+        imported.kinds = {k: kind_for(v) for k, v in imported.tree.items()}
+        note_missing_optimizer(imported)
+        return imported
+
+
+def note_missing_optimizer(imported: ImportedState) -> None:
+    """Record in ``metadata["lacks"]`` that a source holds weights but no optimizer state
+    (``stepvault import`` says so; a resume from it starts with a fresh optimizer)."""
+    kinds = set(imported.kinds.values())
+    if "module" in kinds and "optimizer" not in kinds:
+        lacks = imported.metadata.setdefault("lacks", [])
+        if "optimizer" not in lacks:
+            lacks.append("optimizer")
 
 
 def import_dcp(
@@ -62,15 +140,18 @@ def import_dcp(
     trust: bool = False,
     codec: str | None = None,
 ) -> SaveInfo:
-    """Import the DCP checkpoint directory ``path`` as ``run@step`` (single process)."""
+    """Import the DCP checkpoint directory ``path`` as ``run@step`` (single process).
+
+    Entries get the kinds a live object of their sort would have (a ``get_state_dict``
+    model → ``module``, its optimizer → ``optimizer``, converted from parameter names to
+    the numbering ``Optimizer.load_state_dict`` expects), so that ``stepvault.restore(root,
+    {"model": model, "optimizer": optimizer}, run=run)`` continues training where
+    ``dcp.load`` + ``set_state_dict`` would, and ``stepvault export`` finds the module.
+    """
+    from ...store import validate_run_name, validate_step
+    from .commit import commit_imported  # commit imports the registry, which imports this
+
+    validate_run_name(run)
+    validate_step(step)
     imported = DcpImporter().read(os.fspath(path), trust=trust)
-    # Saved like any state (stepvault.save classifies the entries itself).
-    return save(
-        root,
-        imported.tree,
-        run=run,
-        step=step,
-        codec=codec,
-        collective=False,
-        metadata={"imported_from": imported.source, "format": "dcp"},
-    )
+    return commit_imported(root, imported, run=run, step=step, codec=codec).save

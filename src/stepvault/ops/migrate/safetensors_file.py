@@ -27,7 +27,8 @@ def load_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def read_safetensors_file(path: str) -> ImportedState:
-    """Read one ``.safetensors`` file as the ``model`` module's weights."""
+    """Read one ``.safetensors`` file as the ``model`` module's weights (weights only:
+    ``metadata["lacks"]`` records that it holds no optimizer state)."""
     weights = load_safetensors(path)
     return ImportedState(
         "safetensors",
@@ -35,6 +36,7 @@ def read_safetensors_file(path: str) -> ImportedState:
         {"model": weights},
         {"model": "module"},
         files=[os.path.basename(path)],
+        metadata={"lacks": ["optimizer"]},
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from ...errors import StepvaultError
 from .base import ImportedState, Importer, is_flat_state_dict, kind_for, plain
+from .dcp import note_missing_optimizer, optimizers_by_index
 from .pickles import load_pickle
 
 
@@ -38,7 +39,9 @@ def read_torch_file(path: str, *, trust: bool = False) -> ImportedState:
             f"{path}: holds a {type(obj).__name__}; expected a state dict or a dict of "
             "state dicts and values"
         )
+    optimizers_by_index(imported)  # a get_state_dict optimizer: numbered like state_dict()
     imported.kinds = {k: kind_for(v) for k, v in imported.tree.items()}
+    note_missing_optimizer(imported)
     for key in ("global_step", "step"):
         value = obj.get(key) if isinstance(obj, Mapping) else None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
