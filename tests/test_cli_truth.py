@@ -208,3 +208,32 @@ def test_json_parses(tiered, args):
     res = cli(hot, *args)
     assert res.exit_code == 0, res.output
     json.loads(res.stdout)
+
+
+def test_ls_marks_a_checkpoint_a_restore_found_damaged(tmp_path):
+    from helpers import flip_byte, object_path
+
+    from stepvault import CheckpointManager
+
+    root = tmp_path / "s"
+    torch.manual_seed(0)
+    state = {"w": torch.randn(1000), "step": 0}
+    with CheckpointManager(root, run="r", async_save=False) as mgr:
+        for step in (1, 2):
+            state["w"] += 1
+            state["step"] = step
+            mgr.save(step, state, force=True)
+    vault = stepvault.open(root)
+    only2 = set(vault.manifest("r", 2).objects) - set(vault.manifest("r", 1).objects)
+    flip_byte(object_path(root, next(iter(only2))))
+    with CheckpointManager(root, run="r", async_save=False) as mgr:
+        info = mgr.restore({"w": torch.zeros(1000), "step": 0})
+    assert info is not None and info.step == 1 and [k.step for k in info.skipped] == [2]
+    res = cli(root, "ls", "r")
+    assert res.exit_code == 0, res.output
+    line2 = next(ln for ln in res.stdout.splitlines() if ln.split()[:1] == ["2"])
+    assert "DAMAGED: a restore skipped it" in line2
+    line1 = next(ln for ln in res.stdout.splitlines() if ln.split()[:1] == ["1"])
+    assert "DAMAGED" not in line1
+    rows = {r["step"]: r for r in json.loads(cli(root, "ls", "r", "--json").stdout)}
+    assert rows[2]["valid"] is False and rows[1]["valid"] is True

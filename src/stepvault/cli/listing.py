@@ -10,6 +10,7 @@ in one go, which is as fast as ``--json``.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any
 from rich.table import Table
 
 from .._units import parse_duration
+from ..errors import StepvaultError
 from .common import _emit_json, _time, console, err_console, human_bytes
 from .light import light_mark
 
@@ -72,6 +74,9 @@ def list_checkpoints(
         summaries = [s for s in vault.checkpoints(run) if s.error or s.created >= cutoff]
         matching = len(summaries)
         summaries = summaries[-limit:] if limit else summaries
+    damage = known_damage(vault.store, run)
+    if damage:  # a restore found these damaged: say so, as a damaged manifest is
+        summaries = [_mark(s, damage[s.step]) if s.step in damage else s for s in summaries]
     if as_json:
         return _emit_json([s.__dict__ for s in summaries])
     if console.is_terminal and len(summaries) <= TABLE_MAX:
@@ -85,6 +90,32 @@ def list_checkpoints(
             highlight=False,
         )
     return None
+
+
+def known_damage(store: Any, run: str) -> dict[int, str]:
+    """Steps of ``run`` that a restore passed over as damaged (its event log's ``skipped``),
+    with the reason, unless the step was committed again or deleted since."""
+    from ..catalog.events import read_events
+
+    damaged: dict[int, str] = {}
+    try:
+        events = read_events(store, run)
+    except (StepvaultError, OSError):
+        return damaged
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        if e.get("event") == "restore":
+            for k in e.get("skipped") or []:
+                if isinstance(k, dict) and isinstance(k.get("step"), int):
+                    damaged[k["step"]] = f"a restore skipped it: {k.get('reason', '?')}"
+        elif e.get("event") in ("save", "delete", "repair") and isinstance(e.get("step"), int):
+            damaged.pop(e["step"], None)
+    return damaged
+
+
+def _mark(s: Any, reason: str) -> Any:
+    return dataclasses.replace(s, valid=False, error=reason)
 
 
 def _metrics(s: Any) -> str:
