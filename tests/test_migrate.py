@@ -426,12 +426,16 @@ def test_hf_sharded_safetensors_and_sharded_bin(tmp_path):
     tree = stepvault.open(root).checkpoint("sharded@7").load()
     assert set(tree["model"]) == set(expected) - {"lm_head.weight"}
     assert all(torch.equal(tree["model"][k], expected[k]) for k in tree["model"])
-    # As documented: strict=False restores a tied model whole (the tie supplies lm_head).
+    # A strict restore does not require the tied name: restoring wte restores lm_head.
     fresh = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(stepvault.errors.StateMismatchError, match=r"lm_head\.weight"):
-        stepvault.restore(root, {"model": fresh}, run="sharded")
-    stepvault.restore(root, {"model": fresh}, run="sharded", strict=False)
+    stepvault.restore(root, {"model": fresh}, run="sharded")
     assert_same(expected, dict(fresh.state_dict()))
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    untied = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**{**config.to_dict(), "tie_word_embeddings": False})
+    )
+    with pytest.raises(stepvault.errors.StateMismatchError, match=r"lm_head\.weight"):
+        stepvault.restore(root, {"model": untied}, run="sharded")  # untied: truly missing
 
     # The old pytorch_model.bin layout: torch.save shards plus an index.
     bin_dir = tmp_path / "checkpoint-9"
@@ -479,9 +483,8 @@ def test_peft_adapter_folder_and_duplicate_weight_layouts(tmp_path):
     root = tmp_path / "store"
     report = import_checkpoint(root, folder, run="lora")
     assert report.step == 30 and report.entries == {"adapter": "module", "optimizer": "optimizer"}
-    assert dict(report.skipped) == {
-        "tokenizer.json": "not training state (config, tokenizer or other)"
-    }
+    assert report.skipped == []  # the tokenizer and adapter config are attachments
+    assert report.attachments == ["adapter_config.json", "tokenizer.json"]
     ckpt = stepvault.open(root).checkpoint("lora@30")
     assert ckpt.metadata["adapter_config"] == {"peft_type": "LORA", "r": 4}
     assert_same(by_name(adapter), by_name(ckpt.load()["adapter"]))

@@ -77,6 +77,13 @@ def import_cmd(
             "  entries: " + ", ".join(f"{k} ({v})" for k, v in report.entries.items()),
             highlight=False,
         )
+        if report.attachments:
+            console.print("  attached: " + ", ".join(report.attachments), highlight=False)
+        for entry, why in report.missing.items():
+            console.print(
+                f"  missing {entry}: {why}; a resume from it starts the {entry} fresh",
+                highlight=False,
+            )
         for fname, reason in report.skipped:
             console.print(f"  skipped {fname}: {reason}", highlight=False)
     return None

@@ -60,15 +60,17 @@ from ._common import (
 try:
     import transformers
     from transformers import Trainer, TrainerCallback
-    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_callback import ExportableState, TrainerState
     from transformers.training_args import ParallelMode
 except ImportError as exc:
     raise ImportError(
         missing_framework("transformers", "Hugging Face Transformers", "transformers")
     ) from exc
 
+from .._rank import rank_and_world
 from .._version import __version__
 from ..api import RestoreInfo
+from ..api import open as stepvault_open
 from ..errors import StepvaultError
 from ..manager import CheckpointManager
 from ..policy import KeepPolicy, SavePolicy
@@ -301,8 +303,7 @@ class StepvaultTrainerMixin(_TrainerBase):
         rank resumes from the same one.
         """
         mgr = cb.open()
-        holder: dict[str, Any] = dict.fromkeys(_KEYS)
-        holder["model"] = self.model
+        holder = _holder(cb, self.model, step)
 
         def choose() -> RestoreInfo:
             assert mgr is not None  # on_rank0 runs this on process zero, which has the manager
@@ -317,6 +318,7 @@ class StepvaultTrainerMixin(_TrainerBase):
 
         info = on_rank0(choose, "choosing the checkpoint to resume from")
         if mgr is None:  # not process zero: the same step, exactly
+            holder = _holder(cb, self.model, info.step)
             mine = read_checkpoint(cb.root, cb.run, holder, info.step)
             info = dataclasses.replace(mine, skipped=info.skipped)
         cb.last_restore = info
@@ -328,11 +330,42 @@ class StepvaultTrainerMixin(_TrainerBase):
                     RuntimeWarning,
                     stacklevel=3,
                 )
+        self._stepvault_report_missing(cb, holder, info)
         scratch = tempfile.mkdtemp(prefix="stepvault-resume-")
         with open(os.path.join(scratch, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             json.dump(holder["trainer_state"], f)
         self._stepvault_resume = (scratch, holder)
         return scratch
+
+    def _stepvault_report_missing(
+        self, cb: StepvaultCallback, holder: dict[str, Any], info: RestoreInfo
+    ) -> None:
+        """Warn (on process zero) naming the training state the checkpoint lacks — an
+        import of a ``checkpoint-N`` folder without ``optimizer.pt``, say — which the
+        resume starts fresh; a checkpoint without ``trainer_state`` resumes at its step."""
+        recorded = info.metadata.get("missing") if isinstance(info.metadata, dict) else None
+        why = recorded if isinstance(recorded, dict) else {}
+        absent = [k for k in _KEYS[1:] if k != "scaler" and holder.get(k) is None]
+        if getattr(self.accelerator, "scaler", None) is not None and holder.get("scaler") is None:
+            absent.append("scaler")  # training with a GradScaler the checkpoint has no state of
+        if holder.get("trainer_state") is None:
+            epoch = float(info.epoch) if info.epoch is not None else 0.0
+            holder["trainer_state"] = dataclasses.asdict(
+                TrainerState(global_step=info.step, epoch=epoch)
+            )
+        if not absent or rank_and_world()[0] != 0:
+            return
+        source = info.metadata.get("imported_from") if isinstance(info.metadata, dict) else None
+        named = ", ".join(f"{k} ({why[k]})" if k in why else k for k in absent)
+        warnings.warn(
+            f"stepvault: {cb.run}@{info.step}"
+            + (f" (imported from {source})" if source else "")
+            + f" holds no {named}: this resume starts "
+            + ("it" if len(absent) == 1 else "them")
+            + " fresh, so training does not continue exactly as the original run would",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _stepvault_restored(self, checkpoint: Any) -> dict[str, Any] | None:
         resume = self._stepvault_resume
@@ -350,9 +383,12 @@ class StepvaultTrainerMixin(_TrainerBase):
         tree = self._stepvault_restored(checkpoint)
         if tree is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        # The Trainer creates both before it calls this hook.
-        self.optimizer.load_state_dict(tree["optimizer"])  # type: ignore[union-attr]
-        self.lr_scheduler.load_state_dict(tree["scheduler"])  # type: ignore[union-attr]
+        # The Trainer creates both before it calls this hook; one the checkpoint lacks (an
+        # incomplete import) starts fresh, as train() warned.
+        if tree.get("optimizer") is not None:
+            self.optimizer.load_state_dict(tree["optimizer"])  # type: ignore[union-attr]
+        if tree.get("scheduler") is not None:
+            self.lr_scheduler.load_state_dict(tree["scheduler"])  # type: ignore[union-attr]
 
     def _load_scaler(self, checkpoint: Any) -> None:
         tree = self._stepvault_restored(checkpoint)
@@ -366,13 +402,17 @@ class StepvaultTrainerMixin(_TrainerBase):
         tree = self._stepvault_restored(checkpoint)
         if tree is None:
             return super()._load_rng_state(checkpoint)
-        rng = tree["rng"]
+        rng = tree.get("rng")
+        if rng is None:
+            return  # an import without rng_state.pth: train() warned
         # Written by several processes: "ranks" holds each rank's state (what the Trainer
-        # keeps in rng_state_{rank}.pth); every rank takes its own.
+        # keeps in rng_state_{rank}.pth; an import of those files has them in "rng_ranks");
+        # every rank takes its own.
         ranks = rng.get("ranks") if isinstance(rng, dict) else None
+        ranks = ranks or tree.get("rng_ranks")
         what = f"stepvault run {self._stepvault_callback().run}"
         own = rng_state_of_this_rank(ranks, rng, what)
-        if own is None:  # not written by StepvaultTrainer, which always stores the RNGs
+        if own is None:
             raise StepvaultError(f"{what}: the checkpoint holds no RNG state to resume from")
         RNGState().load_state_dict(own)
 
@@ -441,6 +481,19 @@ class StepvaultTrainerMixin(_TrainerBase):
             # issue 19: config, generation config and tokenizer files, for `stepvault export`
             attachments=transformers_files(self.model, _processing_class(self)),
         )
+
+
+def _holder(cb: StepvaultCallback, model: Any, step: Any) -> dict[str, Any]:
+    """What the resume restores into: the model in place, and a slot for each other entry
+    the checkpoint to resume from holds. An imported ``checkpoint-N`` folder may lack some
+    (no ``scaler.pt`` without fp16, no ``optimizer.pt`` when it was not saved): those are
+    reported, not refused, while the model's keys are still checked strictly."""
+    holder: dict[str, Any] = {"model": model}
+    try:
+        manifest = stepvault_open(cb.root).checkpoint(cb.run, step).manifest
+    except (StepvaultError, OSError, ValueError):  # damaged or absent: the restore says so
+        return holder | dict.fromkeys(_KEYS[1:])
+    return holder | {k: None for k in manifest.state_kinds if k != "model"}
 
 
 def _processing_class(trainer: Any) -> Any:

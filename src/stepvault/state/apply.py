@@ -34,12 +34,32 @@ def _describe(v: Any) -> str:
     return type(v).__name__
 
 
+def tied_aliases(live: dict[str, Any], saved: Any) -> set[str]:
+    """Live keys absent from ``saved`` whose tensor *is* one that ``saved`` holds (tied
+    weights: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``). ``save_pretrained``
+    writes such a tensor once; restoring the name it kept restores both."""
+    held = {
+        (v.data_ptr(), v.shape, v.stride())
+        for k, v in live.items()
+        if k in saved and isinstance(v, torch.Tensor) and v.numel()
+    }
+    return {
+        k
+        for k, v in live.items()
+        if k not in saved
+        and isinstance(v, torch.Tensor)
+        and v.numel()
+        and (v.data_ptr(), v.shape, v.stride()) in held
+    }
+
+
 def _check_module(key: str, module: torch.nn.Module, saved: Any, strict: bool) -> list[str]:
     if not isinstance(saved, dict):
         return [f"{key}: checkpoint holds {type(saved).__name__}, expected a module state dict"]
     problems = []
     live = module.state_dict()
-    missing = [k for k in live if k not in saved]
+    tied = tied_aliases(live, saved)
+    missing = [k for k in live if k not in saved and k not in tied]
     unexpected = [k for k in saved if k not in live]
     if strict and missing:
         problems.append(
@@ -188,7 +208,10 @@ def apply(
         if kind == "module":
             rest = {k: v for k, v in saved.items() if not isinstance(v, Placed)}
             if len(rest) == len(saved):
-                obj.load_state_dict(saved, strict=strict, assign=assign)
+                # A tied alias left out of the checkpoint is loaded through its twin (in
+                # place: assigning a new tensor to one name would untie them).
+                tied = bool(tied_aliases(obj.state_dict(), saved))
+                obj.load_state_dict(saved, strict=strict and not tied, assign=assign and not tied)
             elif rest:
                 # Key sets were checked by validate(); the placed tensors are loaded already.
                 obj.load_state_dict(rest, strict=False)

@@ -33,6 +33,12 @@ class ImportedState:
     files: list[str] = field(default_factory=list)
     #: (file, reason) for each file left out
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    #: the checkpoint's metrics (e.g. HF trainer_state.json's loss at that step)
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: small files stored with the checkpoint (config.json, tokenizer...), name -> bytes
+    attachments: dict[str, bytes] = field(default_factory=dict)
+    #: training state a full resume needs that the source lacks: entry -> why
+    missing: dict[str, str] = field(default_factory=dict)
 
 
 class Importer(ABC):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...catalog.attachments import add_attachments
 from ...core.info import SaveInfo
 from ...core.write import new_manifest, open_store_for_writing, write_manifest
 from ...engine import to_host
@@ -34,6 +35,10 @@ class ImportReport:
     skipped: list[tuple[str, str]]
     tensors: int
     save: SaveInfo
+    #: training state the source lacks (entry -> why); also ``metadata["missing"]``
+    missing: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: files stored as attachments (``stepvault export`` writes them next to the weights)
+    attachments: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -95,10 +100,20 @@ def commit_imported(
         "files": list(imported.files),
         **imported.metadata,
     }
+    if imported.missing:
+        metadata["missing"] = dict(imported.missing)
     snapshot = Snapshot(encoded, dict(imported.kinds), arrays)
-    manifest = new_manifest(run, step, snapshot, epoch=imported.epoch, metadata=metadata)
+    manifest = new_manifest(
+        run,
+        step,
+        snapshot,
+        epoch=imported.epoch,
+        metrics=imported.metrics or None,
+        metadata=metadata,
+    )
     host = {name: to_host(value) for name, value in arrays.items()}
     store = open_store_for_writing(root)
+    add_attachments(store, manifest, imported.attachments)
     info = write_manifest(store, manifest, host, codec=codec, overwrite=overwrite)
     return ImportReport(
         run=run,
@@ -110,6 +125,8 @@ def commit_imported(
         skipped=list(imported.skipped),
         tensors=len(arrays),
         save=info,
+        missing=dict(imported.missing),
+        attachments=sorted(imported.attachments),
     )
 
 

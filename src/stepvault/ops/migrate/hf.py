@@ -3,8 +3,11 @@
 Weights: ``model.safetensors`` (or a sharded set with ``model.safetensors.index.json``), or
 ``pytorch_model.bin`` (sharded likewise); a PEFT checkpoint's ``adapter_model.*`` stands
 for them. Training state: ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``,
-``rng_state*.pth``, ``trainer_state.json``; ``config.json`` and friends become metadata;
-``training_args.bin`` only with ``trust=True``.
+``rng_state*.pth``, ``trainer_state.json`` (whose log entries at the checkpoint's step
+become its metrics); ``config.json``, ``generation_config.json``, tokenizer and processor
+files become attachments (configs are also kept in the metadata); ``training_args.bin``
+only with ``trust=True``. Training state the folder lacks (no ``optimizer.pt``...) is
+listed in :attr:`ImportedState.missing`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,46 @@ _HF_METADATA_JSON = {
     "generation_config.json": "generation_config",
     "adapter_config.json": "adapter_config",
 }
+# Files that ``from_pretrained`` reads next to the weights (config, generation config,
+# tokenizer, processor, PEFT adapter config): stored as attachments, so that ``stepvault
+# export`` writes a folder that loads.
+_HF_ATTACH = re.compile(
+    r"(config|generation_config|adapter_config|tokenizer|tokenizer_config|special_tokens_map"
+    r"|added_tokens|vocab|merges|preprocessor_config|processor_config|chat_template"
+    r"|sentencepiece\.bpe|spiece)\.(json|txt|jinja|model)"
+)
+# Training state a full resume needs, by entry: the file the Trainer writes it to.
+_HF_STATE_FILES = {
+    "optimizer": "optimizer.pt",
+    "scheduler": "scheduler.pt",
+    "rng": "rng_state.pth",
+    "trainer_state": "trainer_state.json",
+}
+
+
+def _is_attachment(fname: str) -> bool:
+    return bool(_HF_ATTACH.fullmatch(fname))
+
+
+def step_metrics(trainer_state: Any, step: int | None) -> dict[str, float]:
+    """The finite numbers ``trainer_state.json``'s ``log_history`` holds for ``step``
+    (``loss``, ``grad_norm``, ``learning_rate``, ``eval_loss``...; several log entries of
+    that step are merged), without ``step`` and ``epoch``."""
+    history = trainer_state.get("log_history") if isinstance(trainer_state, dict) else None
+    if step is None or not isinstance(history, list):
+        return {}
+    merged: dict[str, Any] = {}
+    for entry in history:
+        if isinstance(entry, dict) and entry.get("step") == step:
+            merged.update(entry)
+    return {
+        k: float(v)
+        for k, v in merged.items()
+        if k not in ("step", "epoch")
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+    }
 
 
 def hf_rng_to_stepvault(rng: Any) -> dict[str, Any] | None:
@@ -176,6 +219,11 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
     for fname, key in _HF_METADATA_JSON.items():
         if fname in names:
             imported.metadata[key] = read_json(os.path.join(folder, fname))
+    for fname in names:
+        path = os.path.join(folder, fname)
+        if _is_attachment(fname) and os.path.isfile(path):
+            with open(path, "rb") as f:
+                imported.attachments[fname] = f.read()
             files.append(fname)
     if "training_args.bin" in names:
         if trust:
@@ -203,6 +251,12 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
     match = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.normpath(folder)))
     if imported.step is None and match:
         imported.step = int(match.group(1))
+    imported.metrics = step_metrics(trainer_state, imported.step)
+    # What a full resume needs and the folder lacks (a scaler.pt is written only by runs
+    # with a GradScaler, so its absence is not a gap: a resume that has one warns).
+    for key, fname in _HF_STATE_FILES.items():
+        if key not in tree:
+            imported.missing[key] = f"no {fname} in {os.path.basename(folder)}"
     return imported
 
 
