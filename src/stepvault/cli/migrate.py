@@ -1,8 +1,9 @@
-"""``stepvault import``: bring existing HF / Lightning / torch checkpoints into a store."""
+"""``stepvault import`` (alias ``stepvault migrate``): bring existing HF / Lightning / DCP /
+torch / safetensors checkpoints into a store."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -17,7 +18,8 @@ def import_cmd(
         str,
         typer.Argument(
             help="An HF checkpoint-N folder (or a Trainer output dir: every checkpoint-N in "
-            "it), a Lightning .ckpt, a .pt/.pth file or a .safetensors file."
+            "it), a Lightning .ckpt, a .pt/.pth file, a .safetensors file, or a "
+            "torch.distributed.checkpoint directory (needs --step and --trust)."
         ),
     ],
     run: Annotated[str, typer.Option(help="Run to import into.")],
@@ -43,12 +45,16 @@ def import_cmd(
     root: RootOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Import existing checkpoints as RUN@STEP (pickles load weights-only unless --trust)."""
+    """Import existing checkpoints as RUN@STEP (pickles load weights-only unless --trust).
+
+    Also available as `stepvault migrate`.
+    """
     from ..ops.migrate import import_checkpoints  # torch and safetensors load only when needed
 
     try:
         with progress_bars(as_json=as_json) as bars:
-            reports = import_checkpoints(
+            reports = _import_dcp(path, run, step, fmt, trust, codec, overwrite, root)
+            reports = reports or import_checkpoints(
                 _root(root),
                 path,
                 run=run,
@@ -63,7 +69,7 @@ def import_cmd(
         return _fail(exc)
     if as_json:
         # One checkpoint: its report; a Trainer output directory: the list of reports.
-        out = [r.to_json() for r in reports]
+        out = [{**r.to_json(), "missing": _missing(r)} for r in reports]
         return _emit_json(out[0] if len(out) == 1 and not _is_run_dir(path) else out)
     for report in reports:
         info = report.save
@@ -77,9 +83,10 @@ def import_cmd(
             "  entries: " + ", ".join(f"{k} ({v})" for k, v in report.entries.items()),
             highlight=False,
         )
-        if report.attachments:
-            console.print("  attached: " + ", ".join(report.attachments), highlight=False)
-        for entry, why in report.missing.items():
+        attached = getattr(report, "attachments", None)  # HF config, tokenizer... (issue 28)
+        if attached:
+            console.print("  attached: " + ", ".join(attached), highlight=False)
+        for entry, why in _missing(report).items():
             console.print(
                 f"  missing {entry}: {why}; a resume from it starts the {entry} fresh",
                 highlight=False,
@@ -87,6 +94,54 @@ def import_cmd(
         for fname, reason in report.skipped:
             console.print(f"  skipped {fname}: {reason}", highlight=False)
     return None
+
+
+# One verb, two names: `migrate` is what the module (ops.migrate) and MIGRATION.md call it.
+app.command(
+    "migrate", help="Alias of `stepvault import`: import existing checkpoints as RUN@STEP."
+)(import_cmd)
+
+
+def _missing(report: Any) -> dict[str, str]:
+    """What a training resume needs that the import does not hold: entry -> why (what the
+    importer recorded, and an optimizer when only weights came in)."""
+    missing = dict(getattr(report, "missing", None) or {})
+    kinds = {kind.partition(":")[0] for kind in report.entries.values()}
+    if "module" in kinds and "optimizer" not in kinds and "optimizer" not in missing:
+        missing["optimizer"] = "the source holds weights only"
+    return missing
+
+
+def _import_dcp(
+    path: str,
+    run: str,
+    step: int | None,
+    fmt: str | None,
+    trust: bool,
+    codec: str | None,
+    overwrite: bool,
+    root: str | None,
+) -> list[Any]:
+    """A torch.distributed.checkpoint directory through `import` (as `import-dcp` does);
+    an empty list when ``path`` is not one."""
+    from ..ops.migrate import DcpImporter
+    from ..ops.migrate.commit import commit_imported
+    from ..store import validate_run_name, validate_step
+
+    importer = DcpImporter()
+    if fmt is not None or not importer.detect(path):
+        return []
+    if step is None:
+        raise StepvaultError(
+            f"{path}: a torch.distributed.checkpoint directory records no step; pass --step N "
+            "(and --trust; `stepvault import-dcp` is the same command)"
+        )
+    validate_run_name(run)
+    validate_step(step)
+    imported = importer.read(path, trust=trust)
+    return [
+        commit_imported(_root(root), imported, run=run, step=step, codec=codec, overwrite=overwrite)
+    ]
 
 
 def _is_run_dir(path: str) -> bool:
