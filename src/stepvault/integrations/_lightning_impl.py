@@ -550,9 +550,54 @@ class CheckpointMixin:
             # Lightning's own "checkpoint contains only the model" error.
             weights = holder[MODEL_KEY] or {}
             return {"state_dict": weights, "pytorch-lightning_version": self._pl.__version__}
+        metadata = info.metadata if isinstance(info.metadata, dict) else {}
+        layout = metadata.get("lightning_layout")
+        if isinstance(layout, dict):
+            return self._imported(holder, info, layout, metadata)
         checkpoint = dict(holder[LIGHTNING_KEY])
         checkpoint["state_dict"] = holder[MODEL_KEY] or {}
         return checkpoint
+
+    def _imported(
+        self,
+        holder: dict[str, Any],
+        info: RestoreInfo,
+        layout: dict[str, Any],
+        metadata: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Lightning's dict of a checkpoint imported from a ``.ckpt`` (``stepvault
+        import``): the importer moved ``optimizer_states``/``lr_schedulers`` into entries of
+        their own (``optimizer``, ``scheduler_1``...), listed in ``lightning_layout``; read
+        those too (from the same step) and put them back where Lightning looks."""
+        from ..ops.migrate import to_lightning_checkpoint
+
+        keys = [k for ks in layout.values() if isinstance(ks, list) for k in ks]
+        extra: dict[str, Any] = dict.fromkeys(keys)
+        if extra:  # read-only, not a second restore of the run (no event, no counts)
+            store = self.manager.store if self.manager is not None else self.root
+            read_checkpoint(store, self.run, extra, info.step)
+        absent = [k for k in keys if extra[k] is None]
+        if absent:
+            raise StepvaultError(
+                f"{self.run}@{info.step}: its lightning_layout names {', '.join(absent)} but "
+                "the checkpoint does not hold them; re-import the .ckpt (`stepvault import "
+                "... --overwrite`)"
+            )
+        missing = metadata.get("missing")
+        if self.manager is not None and isinstance(missing, dict) and missing:
+            # fit(): Lightning resumes with these fresh (empty lists), not where they were.
+            named = ", ".join(f"{k} ({why})" for k, why in missing.items())
+            source = metadata.get("imported_from")
+            warnings.warn(
+                f"stepvault: {self.run}@{info.step}"
+                + (f" (imported from {source})" if source else "")
+                + f" holds no {named}: this resume starts "
+                + ("it" if len(missing) == 1 else "them")
+                + " fresh, so training does not continue exactly as the original run would",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return to_lightning_checkpoint({**extra, **holder}, layout)
 
 
 def _bulk(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

@@ -30,6 +30,12 @@ def _from_lightning(obj: Any, imported: ImportedState) -> None:
     rest = {k: v for k, v in obj.items() if k != "state_dict"}
     layout: dict[str, list[str]] = {}
     for src, name in (("optimizer_states", "optimizer"), ("lr_schedulers", "scheduler")):
+        if src not in rest:
+            # ModelCheckpoint(save_weights_only=True) writes neither; an empty list (a
+            # module without schedulers) is complete. A resume starts these fresh.
+            imported.missing[name] = (
+                f"the .ckpt has no {src!r} (written with save_weights_only=True?)"
+            )
         items = rest.pop(src, None) or []
         if not isinstance(items, list):
             raise StepvaultError(f"{imported.source}: {src!r} is not a list")
@@ -41,6 +47,9 @@ def _from_lightning(obj: Any, imported: ImportedState) -> None:
     imported.kinds["model"] = "module"  # even when a model has no parameters
     imported.kinds["lightning"] = "value"
     imported.metadata["lightning_layout"] = layout
+    if imported.missing:
+        # what stepvault.restore's warning reads (the reasons go to metadata["missing"])
+        imported.metadata["lacks"] = sorted(imported.missing)
     imported.step = step_from(obj.get("global_step"), "the checkpoint's global_step")
     epoch = obj.get("epoch")
     imported.epoch = epoch if isinstance(epoch, int) and epoch >= 0 else None
@@ -58,7 +67,12 @@ def read_lightning_checkpoint(path: str, *, trust: bool = False) -> ImportedStat
 
 def to_lightning_checkpoint(tree: Mapping[str, Any], layout: Mapping[str, list[str]]) -> dict:
     """Rebuild Lightning's checkpoint dict from an imported tree (``Checkpoint.load()``)
-    and ``metadata["lightning_layout"]``: what ``Trainer.fit(ckpt_path=...)`` reads."""
+    and ``metadata["lightning_layout"]``: what ``Trainer.fit(ckpt_path=...)`` reads.
+
+    ``StepvaultCheckpoint`` does this when it resumes from an imported checkpoint. A source
+    without optimizer states or schedulers (``metadata["missing"]``) gets empty lists, so
+    that Lightning resumes with those fresh instead of refusing.
+    """
     out = dict(tree["lightning"])
     out["state_dict"] = tree["model"]
     for src, keys in layout.items():
