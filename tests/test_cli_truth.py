@@ -237,3 +237,17 @@ def test_ls_marks_a_checkpoint_a_restore_found_damaged(tmp_path):
     assert "DAMAGED" not in line1
     rows = {r["step"]: r for r in json.loads(cli(root, "ls", "r", "--json").stdout)}
     assert rows[2]["valid"] is False and rows[1]["valid"] is True
+
+
+def test_listings_of_runs_and_tiers_are_plain_and_whole_in_a_pipe(tiered, tmp_path):
+    hot, _ = tiered
+    long_run = "pretrain-llama-7b-lr3e-4-warmup2000-cosine-seed1234-ablation-no-dropout"
+    stepvault.save(hot, {"w": torch.zeros(2)}, run=long_run, step=1)
+    res = cli(hot, "ls")
+    assert res.exit_code == 0, res.output
+    assert any(ln.split()[:1] == [long_run] for ln in res.stdout.splitlines())
+    assert not BOX & set(res.stdout)
+    res = cli(hot, "tiers", "ls")
+    assert res.exit_code == 0, res.output
+    assert str(tmp_path / "archive") in res.stdout and str(hot) in res.stdout
+    assert "…" not in res.stdout and not BOX & set(res.stdout)

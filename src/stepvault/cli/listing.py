@@ -22,6 +22,7 @@ from .._units import parse_duration
 from ..errors import StepvaultError
 from .common import _emit_json, _time, console, err_console, human_bytes
 from .light import light_mark
+from .output import print_table
 
 #: Rows shown by default (the newest); ``--limit 0`` shows every checkpoint.
 DEFAULT_LIMIT = 50
@@ -139,7 +140,7 @@ def _table(run: str, summaries: list[Any]) -> None:
             human_bytes(s.new_bytes),
             _metrics(s),
         )
-    console.print(table)
+    print_table(table)
 
 
 def _plain(summaries: list[Any]) -> None:

@@ -66,7 +66,7 @@ def ls_cmd(
             table = Table("run", "checkpoints", "latest step", title=f"runs in {vault.url}")
             for r in rows:
                 table.add_row(r["run"], str(r["checkpoints"]), str(r["latest"]))
-            console.print(table)
+            print_table(table)
             return None
         from .listing import list_checkpoints
 

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..errors import StepvaultError
 from .common import JsonOpt, _emit_json, _fail, console, human_bytes
+from .output import print_table
 from .tiers import tiers_app
 
 MemRootOpt = Annotated[
@@ -59,7 +60,7 @@ def print_mem_usage(rows: list[dict[str, Any]]) -> None:
             budget,
             owner,
         )
-    console.print(table)
+    print_table(table)
 
 
 @tiers_app.command("mem-gc")

@@ -17,6 +17,7 @@ from ..registry import Registry, lineage_report
 from ..store import Store
 from ..store.signing import Signer, signer_from_env
 from .common import JsonOpt, RootOpt, _emit_json, _fail, _ops, _root, _time, app, console
+from .output import print_table
 
 KeyOpt = Annotated[
     str | None,
@@ -259,7 +260,7 @@ def models_cmd(
                 f"{exported} files" if exported else "",
                 v["note"],
             )
-        console.print(table)
+        print_table(table)
         if d["history"]:
             hist = Table(title=f"{d['model']}: alias history", title_justify="left")
             for col in ("#", "time", "alias", "action", "to", "from", "by", "note"):
@@ -275,7 +276,7 @@ def models_cmd(
                     m["user"],
                     m["note"],
                 )
-            console.print(hist)
+            print_table(hist)
     return None
 
 

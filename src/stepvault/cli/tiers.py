@@ -21,6 +21,7 @@ from .common import (
     duration_option,
     human_bytes,
 )
+from .output import print_table
 from .progress import progress_bars
 
 tiers_app = typer.Typer(
@@ -123,7 +124,7 @@ def tier_cmd(
             f"{r['seconds']:.2f}",
             "evicted" if r["evicted"] else "kept",
         )
-    console.print(table)
+    print_table(table)
     return None
 
 
@@ -177,11 +178,11 @@ def tiers_ls(
     info.add_row("hot", tiers.hot.backend.url, str(tiers.hot.settings.get("codec", "raw")))
     for s in tiers.specs.values():
         info.add_row(s.name, s.url, s.codec)
-    console.print(info)
+    print_table(info)
     table = Table("run", "step", *tiers.names, title="checkpoints by tier")
     for e in entries:
         table.add_row(e.run, str(e.step), *("●" if t in e.tiers else "" for t in tiers.names))
-    console.print(table)
+    print_table(table)
     return None
 
 
@@ -266,7 +267,7 @@ def print_usage_by_tier(root: str, as_json: bool) -> None:
             str(u.objects),
             human_bytes(u.unreferenced_bytes),
         )
-    console.print(table)
+    print_table(table)
     return None
 
 
