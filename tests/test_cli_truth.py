@@ -251,3 +251,43 @@ def test_listings_of_runs_and_tiers_are_plain_and_whole_in_a_pipe(tiered, tmp_pa
     assert res.exit_code == 0, res.output
     assert str(tmp_path / "archive") in res.stdout and str(hot) in res.stdout
     assert "…" not in res.stdout and not BOX & set(res.stdout)
+
+
+def _commands() -> dict[str, object]:
+    import typer.main
+
+    out: dict[str, object] = {}
+
+    def walk(group: object, prefix: str) -> None:
+        for name, cmd in getattr(group, "commands", {}).items():
+            if hasattr(cmd, "commands"):
+                walk(cmd, f"{prefix}{name} ")
+            else:
+                out[prefix + name] = cmd
+
+    walk(typer.main.get_command(app), "")
+    return out
+
+
+def test_every_command_takes_json_and_the_new_ones_parse(tiered, tmp_path):
+    # ui serves a web page; pin, unpin and release belong to the argument-handling slice
+    exempt = {"ui", "pin", "unpin", "release"}
+    lacking = [
+        name
+        for name, cmd in _commands().items()
+        if name not in exempt
+        and "--json" not in [o for p in cmd.params for o in getattr(p, "opts", [])]  # type: ignore[attr-defined]
+    ]
+    assert lacking == []
+    hot, _ = tiered
+    key = tmp_path / "team"
+    doc = json.loads(CliRunner().invoke(app, ["keygen", str(key), "--json"]).stdout)
+    assert doc["public_key"] == f"{key}.pub" and doc["key_id"]
+    res = cli(hot, "sign", "r", "--key", f"{key}.key", "--json")
+    assert res.exit_code == 0, res.output
+    signed = json.loads(res.stdout)
+    assert signed["run"] == "r" and signed["signed"] >= 2 and signed["key_id"] == doc["key_id"]
+    res = cli(hot, "tiers", "add", "cold2", str(tmp_path / "c2"), "--json")
+    assert json.loads(res.stdout) == {"name": "cold2", "url": str(tmp_path / "c2"), "codec": "keep"}
+    res = cli(hot, "tiers", "remove", "cold2", "--json")
+    assert json.loads(res.stdout) == {"name": "cold2", "removed": True}

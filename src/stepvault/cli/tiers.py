@@ -201,6 +201,7 @@ def tiers_add(
         str | None, typer.Option(help="S3-compatible endpoint (MinIO, ...).")
     ] = None,
     root: RootOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Add (or replace) cold tier NAME at URL. Credentials come from the environment."""
     from ..store import Store
@@ -215,6 +216,8 @@ def tiers_add(
         return _fail(exc)
     except OSError as exc:
         return _fail(StepvaultError(f"tier {name!r} was recorded but {url} is unreachable: {exc}"))
+    if as_json:
+        return _emit_json({"name": name, "url": url, "codec": codec})
     console.print(f"tier {name} -> {url} (codec {codec})", highlight=False)
     return None
 
@@ -223,6 +226,7 @@ def tiers_add(
 def tiers_remove(
     name: Annotated[str, typer.Argument(help="Tier to forget (its contents are not touched).")],
     root: RootOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Forget cold tier NAME; the checkpoints stored there are left as they are."""
     from ..store import Store
@@ -232,6 +236,8 @@ def tiers_remove(
         remove_tier(Store.open(_root(root)), name)
     except StepvaultError as exc:
         return _fail(exc)
+    if as_json:
+        return _emit_json({"name": name, "removed": True})
     console.print(f"tier {name} removed from the configuration", highlight=False)
     return None
 
