@@ -132,14 +132,15 @@ def _import(root, folder, *args):
     )  # fmt: skip
 
 
-def _continue(tmp_path, root):
-    ckpt = StepvaultCallback(root, run="hf", save=stepvault.Every(steps=N))
+def _continue(tmp_path, root, resume=True, every=N):
+    save = stepvault.Every(steps=every) if every else None  # None: save_strategy "no"
+    ckpt = StepvaultCallback(root, run="hf", save=save)
     trainer = StepvaultTrainer(
         model=_model(), args=_args(tmp_path / "out"), train_dataset=Tokens(), callbacks=[ckpt]
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.train(resume_from_checkpoint=True)
+        trainer.train(resume_from_checkpoint=resume)
     ours = [str(w.message) for w in caught if "stepvault" in str(w.message)]
     return trainer, ckpt, ours
 
@@ -239,3 +240,20 @@ def test_incomplete_folder_is_reported_and_its_resume_warns(hf_run, tmp_path):
     assert f"hf@{N}" in warned[0] and str(partial) in warned[0]
     assert "optimizer (no optimizer.pt" in warned[0] and "rng (no rng_state.pth" in warned[0]
     assert "scheduler" not in warned[0]
+
+
+def test_output_dir_import_continues_from_a_chosen_step(hf_run, tmp_path):
+    folder, reference = hf_run
+    root = tmp_path / "store"
+    res = _import(root, folder.parent, "--json")  # the output_dir: checkpoint-4 and -8
+    assert res.returncode == 0, res.stderr
+    assert [r["step"] for r in json.loads(res.stdout)] == [N, TOTAL]
+    vault = stepvault.open(root)
+    history = json.loads((folder.parent / f"checkpoint-{TOTAL}" / "trainer_state.json").read_text())
+    for step in (N, TOTAL):
+        logged = next(e for e in history["log_history"] if e.get("step") == step and "loss" in e)
+        assert vault.checkpoint("hf", step).metrics["loss"] == logged["loss"]
+    # resume_from_checkpoint=<int>: exactly that step of the imported run.
+    trainer, cb, warned = _continue(tmp_path, root, resume=N, every=None)
+    assert cb.last_restore.step == N and warned == []
+    assert same_weights(reference.model, trainer.model)
