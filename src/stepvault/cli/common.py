@@ -6,21 +6,71 @@ Command groups live in their own modules (``cli/<topic>.py``) and register on :d
 
 from __future__ import annotations
 
+import difflib
+import errno
 import json
+import os
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from .._units import format_time, parse_duration
 from .._units import human_bytes as human_bytes  # the commands import it from here
+from ..errors import CheckpointNotFoundError, StepvaultError
+
+if TYPE_CHECKING:
+    from ..store import Store
+
+#: Typer's (Click's) usage error: a bad option value, a missing argument, an unknown command.
+_UsageError: type[Exception] = next(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError"
+)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one line: ``OSError`` as "PATH: reason", others as their message."""
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, StepvaultError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror.lower()}"
+    usage = isinstance(exc, _UsageError)
+    text = exc.format_message() if usage else str(exc)  # type: ignore[attr-defined]
+    return " ".join(text.split()) or type(exc).__name__
+
+
+class StepvaultGroup(TyperGroup):
+    """The command group: every command's user errors end as one line and exit 2.
+
+    A command reports what it expects (``_fail``); this is the net under all of them: a
+    usage error (bad option value, missing argument), a :class:`StepvaultError`, an
+    ``OSError`` (unwritable output, a file where a folder belongs) or a ``ValueError``
+    (a rule refusing its arguments) that escapes a command prints ``error: ...`` on one
+    line and exits 2 instead of a traceback. ``STEPVAULT_DEBUG=1`` lets them through.
+    """
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (_UsageError, StepvaultError, OSError, ValueError) as exc:
+            if os.environ.get("STEPVAULT_DEBUG") or type(exc).__name__ == "NoArgsIsHelpError":
+                raise
+            if isinstance(exc, OSError) and exc.errno == errno.EPIPE:
+                raise  # the reader of a pipe went away: typer exits quietly
+            hint = ""
+            if isinstance(exc, _UsageError) and getattr(exc, "ctx", None) is not None:
+                hint = f" (see: {exc.ctx.command_path} --help)"  # type: ignore[attr-defined]
+            _fail_text(_one_line(exc) + hint)
+
 
 app = typer.Typer(
     help="stepvault: content-addressed, verified, pickle-free training checkpoints.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=StepvaultGroup,
 )
 console = Console(soft_wrap=True)  # a long line stays one line: whole in a pipe
 err_console = Console(stderr=True, soft_wrap=True)  # an error is one line
@@ -54,7 +104,35 @@ def _ops() -> Any:
 
 
 def _root(root: str | None) -> str:
-    return root if root is not None else _GLOBAL["root"]
+    """The store location a command uses (its ``--root``, else the global one); a path
+    that names a file, not a store directory, is a usage error (exit 2)."""
+    path = root if root is not None else _GLOBAL["root"]
+    if "://" not in path and os.path.exists(path) and not os.path.isdir(path):
+        _fail_text(
+            f"--root {path!r} is a file, not a store: give the directory that holds "
+            "stepvault.json (or set $STEPVAULT_ROOT)"
+        )
+    return path
+
+
+def existing_run(store: Store, run: str) -> str:
+    """``run`` when ``store`` has it; otherwise a :class:`CheckpointNotFoundError` naming
+    the nearest run names (difflib) or, when none is close, the runs there are.
+
+    For commands that take a run name: a typo must not read as an empty run.
+    """
+    runs = sorted(store.list_runs())
+    if run in runs:
+        return run
+    where = f"no run {run!r} in {store.backend.url}"
+    if not runs:
+        raise CheckpointNotFoundError(f"{where}: the store holds no runs yet")
+    near = difflib.get_close_matches(run, runs, n=3, cutoff=0.6)
+    if near:
+        names = " or ".join(repr(n) for n in near)
+        raise CheckpointNotFoundError(f"{where}; did you mean {names}? (all runs: stepvault ls)")
+    shown = ", ".join(runs[:10]) + (f" and {len(runs) - 10} more" if len(runs) > 10 else "")
+    raise CheckpointNotFoundError(f"{where}; runs: {shown}")
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
@@ -76,6 +154,11 @@ def _emit_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def _fail(exc: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+def _fail_text(text: str) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {escape(' '.join(text.split()))}", highlight=False)
     raise typer.Exit(2)
+
+
+def _fail(exc: Exception) -> None:
+    """Print ``error: <exc>`` as one line on stderr and exit 2 (a usage error)."""
+    _fail_text(_one_line(exc))

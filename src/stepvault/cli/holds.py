@@ -22,6 +22,7 @@ from .common import (
     app,
     console,
     duration_option,
+    existing_run,
 )
 
 
@@ -77,7 +78,7 @@ def holds_cmd(
 
     try:
         store = Store.open(_root(root))
-        runs = [run] if run is not None else held_runs(store)
+        runs = [existing_run(store, run)] if run is not None else held_runs(store)
         rows = [h for r in runs for hs in live_holds(store, r).values() for h in hs]
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)

@@ -31,6 +31,7 @@ from .common import (
     app,
     console,
     duration_option,
+    existing_run,
     human_bytes,
 )
 from .output import print_table
@@ -70,6 +71,7 @@ def ls_cmd(
             return None
         from .listing import list_checkpoints
 
+        existing_run(vault.store, run)  # a typo is an error, not an empty listing
         return list_checkpoints(vault, run, limit=limit, since=since, as_json=as_json)
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
@@ -309,7 +311,10 @@ def repair_cmd(
     """Deep-verify, then quarantine damaged checkpoints and objects so they are never offered
     again (manifests go to quarantine/manifests/, objects to quarantine/)."""
     try:
-        report = _ops().repair_store(Store.open(_root(root)), run=run, dry_run=dry_run)
+        store = Store.open(_root(root))
+        if run is not None:
+            existing_run(store, run)  # a typo must not read as "0 checkpoints checked"
+        report = _ops().repair_store(store, run=run, dry_run=dry_run)
     except StepvaultError as exc:
         return _fail(exc)
     if as_json:
@@ -447,6 +452,19 @@ def gc_cmd(
     sweep objects that no checkpoint references. Without --keep-* only the sweep runs."""
     from ..policy import KeepBest, KeepEvery, KeepLast, KeepPolicy, KeepWithin
 
+    for option, value in (
+        ("--keep-last", keep_last),
+        ("--keep-best", keep_best),
+        ("--keep-every", keep_every),
+        ("--thin-after-steps", thin_after_steps),
+    ):
+        if value is not None and value < 1:
+            why = " (the newest valid checkpoint always stays: --keep-last 1 keeps only it)"
+            why = why if option == "--keep-last" else ""
+            return _fail(ValueError(f"{option} must be 1 or more, got {value}{why}"))
+    if mode not in ("min", "max"):
+        return _fail(ValueError(f"--mode must be min or max, got {mode!r}"))
+    grace_seconds = duration_option("--grace", grace)
     rules: list[KeepPolicy] = []
     if keep_last is not None:
         rules.append(KeepLast(keep_last))
@@ -473,30 +491,40 @@ def gc_cmd(
         if keep is not None and run is None:
             raise ValueError("keep rules apply to one run: stepvault gc RUN --keep-last 3")
         store = Store.open(_root(root))
+        if run is not None:
+            existing_run(store, run)  # a typo must not read as "nothing to collect"
         with progress_bars(as_json=as_json, unit="items") as bars:
             result = _ops().collect_garbage(
                 store,
                 run=run,
                 keep=keep,
                 dry_run=dry_run,
-                grace_seconds=duration_option("--grace", grace),
+                grace_seconds=grace_seconds,
                 progress=bars.task("gc: objects examined"),
             )
-    except (StepvaultError, ValueError) as exc:
+    except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
     if as_json:
         return _emit_json(result.to_json())
     if result.plan is not None:
         console.print(str(result.plan), highlight=False)
-    verb = "would free" if dry_run else "freed"
     sw = result.sweep
-    console.print(
-        f"{'dry run: ' if dry_run else ''}checkpoints deleted: "
-        f"{len(result.plan.delete) if result.plan else 0}; objects: {len(sw.deleted)} "
-        f"({verb} {human_bytes(sw.freed_bytes)}); younger than the grace period: "
-        f"{sw.kept_in_grace}",
-        highlight=False,
-    )
+    deleted = len(result.plan.delete) if result.plan else 0
+    if dry_run:
+        head = f"dry run: would delete {deleted} checkpoints and {len(sw.deleted)} objects"
+        head += f" (would free {human_bytes(sw.freed_bytes)})"
+    else:
+        head = f"deleted {deleted} checkpoints and {len(sw.deleted)} objects"
+        head += f" (freed {human_bytes(sw.freed_bytes)})"
+    console.print(head, highlight=False)
+    if sw.kept_in_grace:
+        would = "would stay" if dry_run else "stay"
+        console.print(
+            f"{sw.kept_in_grace} unreferenced objects ({human_bytes(sw.kept_in_grace_bytes)}) "
+            f"{would}: younger than the grace period ({grace}), a save in flight may use them; "
+            "when no save is running, --grace 0s frees them now",
+            highlight=False,
+        )
     if sw.unreadable_manifests:
         console.print(
             f"[yellow]sweep skipped: unreadable manifests {sw.unreadable_manifests} may "
@@ -517,6 +545,7 @@ def pin_cmd(
         if not isinstance(step, int):
             raise ValueError("pin needs an exact step: RUN@STEP")
         store = Store.open(_root(root))
+        existing_run(store, run)
         store.pin(run, step, note)
         log_event(store, run, "pin", step=step, note=note)
     except (StepvaultError, ValueError) as exc:
@@ -533,12 +562,31 @@ def unpin_cmd(ref: Annotated[str, typer.Argument(help="RUN@STEP.")], root: RootO
         if not isinstance(step, int):
             raise ValueError("unpin needs an exact step: RUN@STEP")
         store = Store.open(_root(root))
+        existing_run(store, run)
+        if step not in store.pinned_steps(run):
+            raise ValueError(_not_pinned(store, run, step))
         store.unpin(run, step)
         log_event(store, run, "unpin", step=step)
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
     console.print(f"unpinned {run}@{step}", highlight=False)
     return None
+
+
+def _not_pinned(store: Store, run: str, step: int) -> str:
+    """Why ``unpin RUN@STEP`` has nothing to remove: no such checkpoint, held by the
+    registry (which no unpin releases), or simply not pinned."""
+    from ..ops.gc import registry_hold_reason
+
+    store.read_manifest(run, step)  # no such checkpoint: CheckpointNotFoundError says so
+    holders = store.held_steps(run).get(step)
+    if holders:
+        return (
+            f"{run}@{step} is not pinned: it is {registry_hold_reason(holders)}, which "
+            "keeps every registered version; there is nothing to unpin"
+        )
+    pinned = ", ".join(f"@{s}" for s in store.pinned_steps(run)) or "none"
+    return f"{run}@{step} is not pinned (pinned in {run}: {pinned})"
 
 
 @app.command("events")
@@ -550,11 +598,16 @@ def events_cmd(
 ) -> None:
     """The run's event log: saves, restores, deletions, failures (with sizes and stalls)."""
     try:
-        events = read_events(Store.open(_root(root)), run)
-    except (StepvaultError, ValueError) as exc:
+        if tail is not None and tail < 0:
+            raise ValueError(f"--tail must be 0 or more events, got {tail}")
+        store = Store.open(_root(root))
+        events = read_events(store, run)
+        if not events:
+            existing_run(store, run)  # a typo is an error; a run with no events prints none
+    except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
     if tail is not None:
-        events = events[-tail:]
+        events = events[-tail:] if tail else []
     if as_json:
         return _emit_json(events)
     table = Table("time", "event", "step", "details", title=f"events of {run}")

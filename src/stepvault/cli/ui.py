@@ -18,7 +18,7 @@ def ui_cmd(
         str,
         typer.Option(help="Address to listen on; anything but loopback needs --token."),
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8765,
+    port: Annotated[int, typer.Option(help="TCP port.", min=0, max=65535)] = 8765,
     token: Annotated[
         str | None,
         typer.Option(

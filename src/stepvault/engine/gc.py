@@ -16,7 +16,7 @@ the remaining window.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import StepvaultError
@@ -34,17 +34,27 @@ class SweepReport:
     deleted: list[str] = field(default_factory=list)
     freed_bytes: int = 0
     kept_in_grace: int = 0
+    #: bytes of the unreferenced objects kept because they are younger than the grace period
+    kept_in_grace_bytes: int = 0
     tmp_files_removed: int = 0
     unreadable_manifests: list[str] = field(default_factory=list)
 
 
-def referenced_objects(store: Store) -> tuple[set[str], list[str]]:
+#: ``{(run, step): objects}``: what a manifest would name after a change not yet made (a
+#: dry run: an empty collection for a checkpoint it would delete, the kept objects of one it
+#: would thin).
+AsIf = Mapping[tuple[str, int], Collection[str]]
+
+
+def referenced_objects(store: Store, as_if: AsIf | None = None) -> tuple[set[str], list[str]]:
     """Every object a committed manifest names, and the manifests that could not be read.
 
     Every manifest of every run is read; its object list comes from the lists recorded
     at commit (:mod:`.object_lists`) when its envelope names a recorded checksum, and from
-    a full parse otherwise. Runs whose record was incomplete get it compacted.
+    a full parse otherwise. Runs whose record was incomplete get it compacted. A manifest
+    named in ``as_if`` counts with the objects given there instead of its own.
     """
+    as_if = as_if or {}
     live: set[str] = set()
     unreadable: list[str] = []
     for run in store.list_runs():
@@ -59,7 +69,7 @@ def referenced_objects(store: Store) -> tuple[set[str], list[str]]:
             digest = envelope_digest(data)
             if digest is not None and digest in lists:
                 used[digest] = lists[digest]
-                live.update(lists[digest])
+                live.update(as_if.get((run, step), lists[digest]))
                 continue
             try:
                 m = parse_manifest(data, where)
@@ -67,7 +77,7 @@ def referenced_objects(store: Store) -> tuple[set[str], list[str]]:
                 unreadable.append(where)
                 continue
             parsed += 1
-            live.update(m.objects)
+            live.update(as_if.get((run, step), m.objects))
             if digest is not None:
                 used[digest] = sorted(m.objects)
         if parsed or had_log or len(used) != len(lists):
@@ -81,14 +91,19 @@ def sweep(
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     dry_run: bool = False,
     progress: Callable[[int, int | None], None] | None = None,
+    as_if: AsIf | None = None,
 ) -> SweepReport:
     """Delete unreferenced objects older than the grace period (and stale temp files).
 
     ``progress(done, total)`` is called with the number of objects examined so far.
+    ``as_if`` (with ``dry_run``): count as if those manifests named only the objects given
+    (:data:`AsIf`), so a preview of deletions counts what they would free.
     """
+    if as_if and not dry_run:
+        raise ValueError("sweep(as_if=...) only counts: pass dry_run=True")
     report = SweepReport(dry_run=dry_run)
     candidates = list(store.iter_objects())  # listed *before* marking: newer ones are skipped
-    live, unreadable = referenced_objects(store)
+    live, unreadable = referenced_objects(store, as_if)
     report.referenced = len(live)
     report.unreadable_manifests = unreadable
     if unreadable:
@@ -101,11 +116,13 @@ def sweep(
         if digest in live:
             continue
         try:
-            if store.object_mtime(digest) > cutoff:
-                report.kept_in_grace += 1
-                continue
+            young = store.object_mtime(digest) > cutoff
             size = store.object_size(digest)
         except FileNotFoundError:
+            continue
+        if young:
+            report.kept_in_grace += 1
+            report.kept_in_grace_bytes += size
             continue
         if not dry_run:
             store.delete_object(digest)

@@ -7,17 +7,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..catalog import apply_retention, checkpoint_records
-from ..engine.gc import DEFAULT_GRACE_SECONDS, SweepReport, sweep
+from ..catalog.thinning import thinned_manifest
+from ..engine.gc import DEFAULT_GRACE_SECONDS, AsIf, SweepReport, sweep
+from ..format import parse_manifest
 from ..policy import KeepPolicy, RetentionPlan
+from ..policy.keep import PINNED_REASON
 from ..store import Store
 from ..store.lease import acquire_lease
 
 
 @dataclass
 class GCResult:
+    """What ``stepvault gc`` did (or, for a dry run, would do).
+
+    ``sweep`` counts objects: for a dry run with a keep policy, as if the checkpoints the
+    plan deletes were gone and the ones it thins were thinned, so ``freed_bytes`` is what
+    the real run would free now. ``sweep.kept_in_grace`` / ``kept_in_grace_bytes`` are the
+    unreferenced objects younger than ``grace_seconds``: kept, since a save in flight may
+    be about to reference them.
+    """
+
     run: str | None
     plan: RetentionPlan | None
     sweep: SweepReport
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -29,9 +42,54 @@ class GCResult:
             "deleted_objects": len(self.sweep.deleted),
             "freed_bytes": self.sweep.freed_bytes,
             "kept_in_grace": self.sweep.kept_in_grace,
+            "kept_in_grace_bytes": self.sweep.kept_in_grace_bytes,
+            "grace_seconds": self.grace_seconds,
             "tmp_files_removed": self.sweep.tmp_files_removed,
             "unreadable_manifests": self.sweep.unreadable_manifests,
         }
+
+
+def registry_hold_reason(holders: list[str]) -> str:
+    """``"held by the registry (model m v2)"`` for the holders of a registry hold (each
+    ``MODEL.vN``, as registering a model version writes them)."""
+    names = []
+    for holder in sorted(holders):
+        model, sep, number = holder.rpartition(".v")
+        names.append(f"model {model} v{number}" if sep and number.isdigit() else holder)
+    return f"held by the registry ({', '.join(names)})"
+
+
+def name_registry_holds(store: Store, run: str, plan: RetentionPlan) -> None:
+    """Say who keeps each checkpoint the registry holds: the plan's records count a hold
+    as a pin (both protect), so its reason reads "pinned"; a checkpoint nobody pinned
+    gets "held by the registry (model M vN)" instead, a pinned one gets both."""
+    held = store.held_steps(run)
+    if not held:
+        return
+    pinned = set(store.pinned_steps(run))
+    for entry in plan.entries:
+        if entry.step not in held:
+            continue
+        reason = registry_hold_reason(held[entry.step])
+        if entry.step not in pinned and PINNED_REASON in entry.reasons:
+            entry.reasons[entry.reasons.index(PINNED_REASON)] = reason
+        elif reason not in entry.reasons:
+            entry.reasons.append(reason)
+
+
+def _as_if_applied(store: Store, run: str, plan: RetentionPlan) -> AsIf:
+    """What each manifest the plan changes would name afterwards: nothing for a deleted
+    checkpoint, the weights' objects for a thinned one."""
+    after: dict[tuple[str, int], set[str]] = {(run, step): set() for step in plan.delete}
+    for entry in plan.thin:
+        if not entry.thin:
+            continue
+        where = f"{run}@{entry.step}"
+        manifest = parse_manifest(store.read_manifest(run, entry.step), where)
+        thin, _ = thinned_manifest(manifest, rule=entry.reason, metrics={}, now=0.0)
+        if thin is not None:
+            after[(run, entry.step)] = set(thin.objects) | set(thin.attachment_objects)
+    return after
 
 
 def collect_garbage(
@@ -47,8 +105,11 @@ def collect_garbage(
 
     Without ``keep`` only unreferenced objects (older than the grace period) are removed.
     Applying a keep policy takes the run's writer lease, so it never races a live writer.
+    A dry run changes nothing and counts what the real one would delete and free: the
+    objects only the checkpoints it would delete (or thin) reference, and their bytes.
     """
     plan = None
+    as_if: AsIf | None = None
     if keep is not None:
         if run is None:
             raise ValueError("a keep policy applies to one run: name the run")
@@ -67,5 +128,10 @@ def collect_garbage(
         finally:
             for lease in leases:
                 lease.release()
-    report = sweep(store, grace_seconds=grace_seconds, dry_run=dry_run, progress=progress)
-    return GCResult(run, plan, report)
+        name_registry_holds(store, run, plan)
+        if dry_run:
+            as_if = _as_if_applied(store, run, plan)
+    report = sweep(
+        store, grace_seconds=grace_seconds, dry_run=dry_run, progress=progress, as_if=as_if
+    )
+    return GCResult(run, plan, report, grace_seconds)
