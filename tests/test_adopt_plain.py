@@ -225,3 +225,36 @@ def test_migrate_is_listed_as_an_alias():
     out = _cli("--help")
     assert "migrate" in out and "import" in out
     assert "Alias of" in _cli("migrate", "--help")
+
+
+def test_dcp_tutorial_app_state_layout_continues_like_dcp_resume(tmp_path):
+    """The DCP tutorial's layout: one Stateful whose state dict is get_state_dict's pair."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    class AppState(Stateful):
+        def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+            self.model, self.opt = model, opt
+
+        def state_dict(self) -> dict:
+            msd, osd = get_state_dict(self.model, self.opt)
+            return {"model": msd, "optim": osd}
+
+        def load_state_dict(self, sd: dict) -> None:
+            set_state_dict(
+                self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+            )
+
+    model, opt = _trained()
+    src = tmp_path / "dcp"
+    dcp.save({"app": AppState(model, opt)}, checkpoint_id=str(src))
+    ref_model, ref_opt = _fresh()
+    dcp.load({"app": AppState(ref_model, ref_opt)}, checkpoint_id=str(src))
+
+    root = str(tmp_path / "store")
+    _cli("--root", root, "import", str(src), "--run", "app", "--step", "3", "--trust")
+    live_model, live_opt = _fresh()
+    stepvault.restore(root, {"app": AppState(live_model, live_opt)}, run="app")
+    assert len(live_opt.state) == len(list(live_model.parameters()))
+    _train(ref_model, ref_opt, range(3, 6))
+    _train(live_model, live_opt, range(3, 6))
+    _same(live_model, ref_model)
