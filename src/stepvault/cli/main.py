@@ -170,10 +170,13 @@ def verify_cmd(
     """Check checkpoints; exits 1 if anything is damaged or missing, 2 on usage errors."""
     try:
         run, step = parse_ref(ref) if ref else (None, None)
-        if step == "latest" and run is not None:  # RUN alone verifies the whole run
+        if run is not None:  # a typo is an error naming the runs, not "0 damaged"
             from ..tiers.view import read_view
 
-            step = latest_step(read_view(Store.open(_root(root))), run)
+            view = read_view(Store.open(_root(root)))  # every tier, as restore reads them
+            existing_run(view, run)
+            if step == "latest":  # RUN alone verifies the whole run
+                step = latest_step(view, run)
         with progress_bars(as_json=as_json) as bars:  # deep: every byte is re-hashed
             task = bars.task("verify --deep" if deep else "verify")
             report = _ops().verify(_root(root), run, step, deep=deep, progress=task)
