@@ -16,8 +16,12 @@ class SaveInfo:
     run: str
     step: int
     epoch: int | None
+    #: tensor data (dtype size x elements), what the checkpoint holds before storage
     logical_bytes: int
+    #: every object of the checkpoint as stored: tensors, other state, object headers,
+    #: after compression (above ``logical_bytes`` for a tiny checkpoint)
     stored_bytes: int
+    #: the part of ``stored_bytes`` this save wrote (objects not already in the store)
     new_bytes: int
     objects: int
     new_objects: int
