@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -165,6 +166,27 @@ def test_readme_quick_start_runs_and_resumes(tmp_path: Path) -> None:
     assert len(first.stdout.splitlines()) == 10  # a save every 1000 of 10,000 steps
     again = _run(quick_start, tmp_path)  # resumes at step 10,000: nothing left to do
     assert again.returncode == 0 and again.stdout == "", again.stderr
+
+
+@pytest.mark.slow
+def test_readme_manager_example_runs_keeps_by_val_loss_and_resumes(tmp_path: Path) -> None:
+    """Issue 28: the example saved nothing in a short trial (``loss = ...``, an undefined
+    ``state``) and recorded only ``loss``, so its ``KeepBest(metric="val_loss")`` never ranked."""
+    block = next(b for b in python_blocks("README.md") if 'KeepBest(3, metric="val_loss"' in b)
+    report = (
+        "\nimport json, stepvault\n"
+        "records = stepvault.open('ckpts').checkpoints('exp1')\n"
+        "print(json.dumps({r.step: r.metrics for r in records}))\n"
+    )
+    first = _run(block + report, tmp_path)
+    assert first.returncode == 0, first.stderr
+    kept = json.loads(first.stdout.splitlines()[-1])
+    # a save every 1,000 of 5,000 steps; KeepLast(3) holds the last three at least
+    assert {"3000", "4000", "5000"} <= set(kept) <= {"1000", "2000", "3000", "4000", "5000"}
+    assert all(set(m) == {"loss", "val_loss"} for m in kept.values()), kept
+    again = _run(block + report, tmp_path)  # resumes at step 5,000: nothing left to do
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.splitlines()[-1]) == kept
 
 
 # Manager keywords and methods removed in issue 27, and where each went.
