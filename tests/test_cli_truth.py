@@ -291,3 +291,16 @@ def test_every_command_takes_json_and_the_new_ones_parse(tiered, tmp_path):
     assert json.loads(res.stdout) == {"name": "cold2", "url": str(tmp_path / "c2"), "codec": "keep"}
     res = cli(hot, "tiers", "remove", "cold2", "--json")
     assert json.loads(res.stdout) == {"name": "cold2", "removed": True}
+
+
+def test_the_python_exporters_read_every_tier_too(tiered, tmp_path):
+    from stepvault.ops import export_weights
+    from stepvault.ops.export_hf import export_checkpoint
+    from stepvault.store import Store
+
+    hot, weights = tiered
+    for name, export in (("a", export_weights), ("b", export_checkpoint)):
+        out = tmp_path / f"{name}.safetensors"
+        export(Store.open(hot), "r", 2, out)  # a plain Store of the hot tier
+        exported = load_file(str(out))
+        assert all(torch.equal(exported[k], v) for k, v in weights[2].items())

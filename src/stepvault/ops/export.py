@@ -172,8 +172,12 @@ def export_weights(
     int8 with one float32 scale per output channel (stored as ``<name>.scale``; see
     :func:`dequantize_int8`); 1-D tensors (biases, norms) stay as they are. The measured
     error is in ``report.quantization`` and the file metadata says ``lossy: true``.
-    ``progress(done, None)`` gets the bytes of the weights read so far.
+    ``progress(done, None)`` gets the bytes of the weights read so far. A checkpoint in
+    any tier of ``store`` is exported, read as restore reads it (hot first).
     """
+    from ..tiers.view import read_view
+
+    store = read_view(store)
     chosen = Vault(store).checkpoint(ref_run, step).manifest  # "latest" -> a step
     with holding(store, chosen.run, chosen.step, owner="export"):  # no GC takes it mid-way
         report = _export(

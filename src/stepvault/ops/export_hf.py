@@ -107,7 +107,11 @@ def export_checkpoint(
     **options: Any,
 ) -> ExportReport | FolderExport:
     """Export ``run@step`` in ``format`` (see :func:`resolve_format`); one entry point for
-    ``stepvault export``, ``register --export`` and ``promote --export``."""
+    ``stepvault export``, ``register --export`` and ``promote --export``. A checkpoint in
+    any tier of ``store`` is exported (read as restore reads it, hot first)."""
+    from ..tiers.view import read_view
+
+    store = read_view(store)
     fmt = resolve_format(store, run, step, out, format)
     if fmt == "safetensors":
         return export_weights(store, run, step, out, **options)
