@@ -24,6 +24,7 @@ from .common import (
     duration_option,
     existing_run,
 )
+from .output import print_table
 
 
 def _ref(ref: str, store: Store, verb: str) -> tuple[str, int]:
@@ -94,7 +95,7 @@ def holds_cmd(
         where = f"pid {h.pid}@{h.host}" if h.pid is not None else h.host
         left = f"{_time(h.expires)} ({(h.expires - now) / 60:.0f} min)"
         table.add_row(f"{h.run}@{h.step}", h.owner, where, _time(h.created), left, h.token[:12])
-    console.print(table)
+    print_table(table)
     return None
 
 
