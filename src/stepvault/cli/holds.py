@@ -105,6 +105,7 @@ def release_cmd(
     root: RootOpt = None,
     token: Annotated[str | None, typer.Option(help="Only the hold with this token.")] = None,
     owner: Annotated[str | None, typer.Option(help="Only the holds of this owner.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Release reader holds on a checkpoint (all of them, or by --token / --owner)."""
     from ..store.reader_holds import release_holds
@@ -118,5 +119,7 @@ def release_cmd(
         log_event(store, run, "release", step=step, holds=len(released))
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)
+    if as_json:
+        return _emit_json({"run": run, "step": step, "released": len(released)})
     console.print(f"released {len(released)} hold(s) on {run}@{step}", highlight=False)
     return None

@@ -541,6 +541,7 @@ def pin_cmd(
     ref: Annotated[str, typer.Argument(help="RUN@STEP to protect.")],
     root: RootOpt = None,
     note: Annotated[str, typer.Option(help="Why it is pinned.")] = "",
+    as_json: JsonOpt = False,
 ) -> None:
     """Protect a checkpoint from every keep policy and GC."""
     try:
@@ -553,12 +554,18 @@ def pin_cmd(
         log_event(store, run, "pin", step=step, note=note)
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
+    if as_json:
+        return _emit_json({"run": run, "step": step, "pinned": True, "note": note})
     console.print(f"pinned {run}@{step}", highlight=False)
     return None
 
 
 @app.command("unpin")
-def unpin_cmd(ref: Annotated[str, typer.Argument(help="RUN@STEP.")], root: RootOpt = None) -> None:
+def unpin_cmd(
+    ref: Annotated[str, typer.Argument(help="RUN@STEP.")],
+    root: RootOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Remove a pin; the checkpoint is subject to keep policies again."""
     try:
         run, step = parse_ref(ref)
@@ -572,6 +579,8 @@ def unpin_cmd(ref: Annotated[str, typer.Argument(help="RUN@STEP.")], root: RootO
         log_event(store, run, "unpin", step=step)
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
+    if as_json:
+        return _emit_json({"run": run, "step": step, "pinned": False})
     console.print(f"unpinned {run}@{step}", highlight=False)
     return None
 
