@@ -82,7 +82,8 @@ def test_registered_checkpoints_survive_keep_policies_and_gc(tmp_path):
         plan = mgr.retention_plan()
     store = Store.open(root)
     assert store.list_steps("r") == [1, 4]
-    assert "pinned" in {e.step: e.reasons for e in plan.entries}[1]
+    # The manager's plan says who keeps it: the registry, not a pin (it said "pinned").
+    assert {e.step: e.reasons for e in plan.entries}[1] == ["held by the registry (model m v1)"]
     result = stepvault.ops.collect_garbage(store, run="r", keep=KeepLast(1), grace_seconds=0)
     assert result.plan.delete == [] and result.sweep.deleted  # garbage did go
     assert stepvault.ops.verify(root, "r", 1, deep=True).ok  # its objects were not swept

@@ -116,8 +116,15 @@ def test_retention_preview_says_which_rule_keeps_what(client, trained):
     by_step = {e["step"]: e for e in plan["entries"]}
     steps = Store.open(trained).list_steps(RUN)
     assert by_step[steps[-1]]["keep"] and "last 1" in by_step[steps[-1]]["reasons"]
-    for step in Store.open(trained).protected_steps(RUN):
-        assert by_step[step]["keep"] and "pinned" in by_step[step]["reasons"]
+    store = Store.open(trained)
+    held = store.held_steps(RUN)
+    for step in store.protected_steps(RUN):
+        reasons = by_step[step]["reasons"]
+        assert by_step[step]["keep"], step
+        if step in store.pinned_steps(RUN):
+            assert "pinned" in reasons, reasons
+        if step in held:  # a registry hold says which model version holds it, not "pinned"
+            assert any(r.startswith("held by the registry (model ") for r in reasons), reasons
     assert plan["delete"] and all(not by_step[s]["keep"] for s in plan["delete"])
     r = client.get(f"/api/runs/{RUN}/retention?keep_last=-3")
     assert r.status_code == 400 and "positive integer" in r.json()["error"]

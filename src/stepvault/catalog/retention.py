@@ -12,6 +12,7 @@ from typing import Any
 from ..engine.gc import DEFAULT_GRACE_SECONDS, SweepReport, sweep
 from ..format.record import CheckpointRecord
 from ..policy import KeepPolicy, RetentionPlan, plan_retention
+from ..policy.keep import PINNED_REASON
 from ..store import Store
 from ..store.reader_holds import live_holds
 from .events import log_event
@@ -66,6 +67,7 @@ def apply_retention(
     log = log or (lambda event, **fields: log_event(store, run, event, **fields))
     now = time.time() if now is None else now
     plan = plan_retention(records, keep, now=now, best_metrics=best_metrics)
+    name_registry_holds(store, run, plan)  # who keeps each: a registry hold is not a pin
     # Holds expire by the wall clock, whatever ``now`` a caller plans for.
     holds = live_holds(store, run, clean=not dry_run)
     result = RetentionResult(plan, reader_held=keep_held(plan, holds))
@@ -97,3 +99,31 @@ def apply_retention(
                 kept_in_grace=report.kept_in_grace,
             )
     return result
+
+
+def registry_hold_reason(holders: list[str]) -> str:
+    """``"held by the registry (model m v2)"`` for the holders of a registry hold (each
+    ``MODEL.vN``, as registering a model version writes them)."""
+    names = []
+    for holder in sorted(holders):
+        model, sep, number = holder.rpartition(".v")
+        names.append(f"model {model} v{number}" if sep and number.isdigit() else holder)
+    return f"held by the registry ({', '.join(names)})"
+
+
+def name_registry_holds(store: Store, run: str, plan: RetentionPlan) -> None:
+    """Say who keeps each checkpoint the registry holds: the plan's records count a hold
+    as a pin (both protect), so its reason reads "pinned"; a checkpoint nobody pinned
+    gets "held by the registry (model M vN)" instead, a pinned one gets both."""
+    held = store.held_steps(run)
+    if not held:
+        return
+    pinned = set(store.pinned_steps(run))
+    for entry in plan.entries:
+        if entry.step not in held:
+            continue
+        reason = registry_hold_reason(held[entry.step])
+        if entry.step not in pinned and PINNED_REASON in entry.reasons:
+            entry.reasons[entry.reasons.index(PINNED_REASON)] = reason
+        elif reason not in entry.reasons:
+            entry.reasons.append(reason)

@@ -588,7 +588,7 @@ def unpin_cmd(
 def _not_pinned(store: Store, run: str, step: int) -> str:
     """Why ``unpin RUN@STEP`` has nothing to remove: no such checkpoint, held by the
     registry (which no unpin releases), or simply not pinned."""
-    from ..ops.gc import registry_hold_reason
+    from ..catalog.retention import registry_hold_reason
 
     store.read_manifest(run, step)  # no such checkpoint: CheckpointNotFoundError says so
     holders = store.held_steps(run).get(step)

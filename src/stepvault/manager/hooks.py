@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ..catalog import apply_retention
+from ..catalog.retention import name_registry_holds
 from ..core.info import SaveInfo
 from ..policy import KeepAny, KeepBest, KeepPolicy, RetentionPlan, plan_retention
 from .session import RunSession
@@ -59,7 +60,9 @@ class Retention:
         each survivor; with a ``ThinAfter`` rule, what it would thin."""
         s = self.session
         if self.keep is None:
-            return plan_retention(s.records(), None, now=time.time(), best_metrics=self.best)
+            plan = plan_retention(s.records(), None, now=time.time(), best_metrics=self.best)
+            name_registry_holds(s.store, s.run, plan)  # a registry hold is not a pin
+            return plan
         return apply_retention(
             s.store,
             s.run,

@@ -11,7 +11,6 @@ from ..catalog.thinning import thinned_manifest
 from ..engine.gc import DEFAULT_GRACE_SECONDS, AsIf, SweepReport, sweep
 from ..format import parse_manifest
 from ..policy import KeepPolicy, RetentionPlan
-from ..policy.keep import PINNED_REASON
 from ..store import Store
 from ..store.lease import acquire_lease
 
@@ -47,34 +46,6 @@ class GCResult:
             "tmp_files_removed": self.sweep.tmp_files_removed,
             "unreadable_manifests": self.sweep.unreadable_manifests,
         }
-
-
-def registry_hold_reason(holders: list[str]) -> str:
-    """``"held by the registry (model m v2)"`` for the holders of a registry hold (each
-    ``MODEL.vN``, as registering a model version writes them)."""
-    names = []
-    for holder in sorted(holders):
-        model, sep, number = holder.rpartition(".v")
-        names.append(f"model {model} v{number}" if sep and number.isdigit() else holder)
-    return f"held by the registry ({', '.join(names)})"
-
-
-def name_registry_holds(store: Store, run: str, plan: RetentionPlan) -> None:
-    """Say who keeps each checkpoint the registry holds: the plan's records count a hold
-    as a pin (both protect), so its reason reads "pinned"; a checkpoint nobody pinned
-    gets "held by the registry (model M vN)" instead, a pinned one gets both."""
-    held = store.held_steps(run)
-    if not held:
-        return
-    pinned = set(store.pinned_steps(run))
-    for entry in plan.entries:
-        if entry.step not in held:
-            continue
-        reason = registry_hold_reason(held[entry.step])
-        if entry.step not in pinned and PINNED_REASON in entry.reasons:
-            entry.reasons[entry.reasons.index(PINNED_REASON)] = reason
-        elif reason not in entry.reasons:
-            entry.reasons.append(reason)
 
 
 def _as_if_applied(store: Store, run: str, plan: RetentionPlan) -> AsIf:
@@ -128,7 +99,6 @@ def collect_garbage(
         finally:
             for lease in leases:
                 lease.release()
-        name_registry_holds(store, run, plan)
         if dry_run:
             as_if = _as_if_applied(store, run, plan)
     report = sweep(

@@ -263,6 +263,7 @@ def retention_preview(reader: StoreReader, run: str, params: Mapping[str, str]) 
     """What a keep policy (from ``params``; default: keep the last 3) would keep and delete
     now, and which rule keeps each survivor — ``stepvault gc RUN ... --dry-run``."""
     from ..manager.checkpoint_manager import checkpoint_records  # imports torch: only here
+    from ..catalog.retention import name_registry_holds
     from ..policy import plan_retention
 
     view = reader.view()
@@ -271,6 +272,7 @@ def retention_preview(reader: StoreReader, run: str, params: Mapping[str, str]) 
         params = {**params, "keep_last": "3"}
     policy = keep_policy_from(params)
     plan = plan_retention(checkpoint_records(view, run), policy, now=time.time())
+    name_registry_holds(view, run, plan)  # as gc says it: a registry hold is not a pin
     return {
         "run": run,
         "policy": repr(policy),
