@@ -262,8 +262,8 @@ def keep_policy_from(params: Mapping[str, str]) -> Any:
 def retention_preview(reader: StoreReader, run: str, params: Mapping[str, str]) -> dict[str, Any]:
     """What a keep policy (from ``params``; default: keep the last 3) would keep and delete
     now, and which rule keeps each survivor — ``stepvault gc RUN ... --dry-run``."""
-    from ..manager.checkpoint_manager import checkpoint_records  # imports torch: only here
     from ..catalog.retention import name_registry_holds
+    from ..manager.checkpoint_manager import checkpoint_records  # imports torch: only here
     from ..policy import plan_retention
 
     view = reader.view()
