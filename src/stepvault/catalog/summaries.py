@@ -26,8 +26,9 @@ import contextlib
 import json
 from typing import Any
 
+from ..engine.object_lists import manifest_envelope
 from ..format.hashing import content_hash
-from ..format.manifest import MANIFEST_FORMAT_VERSION, MAX_MANIFEST_SIZE, Manifest
+from ..format.manifest import MANIFEST_FORMAT_VERSION, Manifest
 from ..store import Store, validate_run_name
 from ..store.local import LocalBackend
 
@@ -75,20 +76,13 @@ def summary_of(m: Manifest) -> dict[str, Any]:
 def verified_body_digest(data: bytes) -> str | None:
     """``body_blake3`` of a manifest whose envelope is well formed and whose body matches
     it (hashed here); None when anything is off — the full parse then says exactly what."""
-    if len(data) > MAX_MANIFEST_SIZE:
-        return None
-    head, sep, body = data.partition(b"\n")
-    if not sep:
-        return None
-    try:
-        env = json.loads(head)
-    except (ValueError, RecursionError):
-        return None
-    if type(env) is not dict or env.get("format") != "stepvault-manifest":
+    env = manifest_envelope(data)
+    if env is None:
         return None
     version, digest = env.get("version"), env.get("body_blake3")
     if type(version) is not int or not 1 <= version <= MANIFEST_FORMAT_VERSION:
         return None
+    body = data.partition(b"\n")[2]
     if env.get("body_size") != len(body) or type(digest) is not str:
         return None
     return digest if content_hash(body) == digest else None

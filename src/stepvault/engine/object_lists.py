@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from ..format.hashing import content_hash
 from ..format.manifest import MAX_MANIFEST_SIZE, Manifest
@@ -42,9 +43,9 @@ def compacted_key(run: str) -> str:
     return f"runs/{validate_run_name(run)}/objects.json"
 
 
-def envelope_digest(data: bytes) -> str | None:
-    """The ``body_blake3`` a manifest's envelope names, without parsing its body; None when
-    the envelope is not one (the caller then parses the manifest and reports what is off)."""
+def manifest_envelope(data: bytes) -> dict[str, Any] | None:
+    """The envelope (first line) of a manifest, parsed without its body; None when it is
+    not one (the caller then parses the manifest in full, which says what is off)."""
     if len(data) > MAX_MANIFEST_SIZE:
         return None
     head, sep, _ = data.partition(b"\n")
@@ -56,7 +57,13 @@ def envelope_digest(data: bytes) -> str | None:
         return None
     if type(env) is not dict or env.get("format") != "stepvault-manifest":
         return None
-    digest = env.get("body_blake3")
+    return env
+
+
+def envelope_digest(data: bytes) -> str | None:
+    """The ``body_blake3`` a manifest's envelope names (body neither parsed nor hashed)."""
+    env = manifest_envelope(data)
+    digest = env.get("body_blake3") if env is not None else None
     return digest if type(digest) is str else None
 
 

@@ -32,6 +32,7 @@ from ._common import (
     rank_and_world,
     read_checkpoint,
     rng_state_of_this_rank,
+    warn_resume_gaps,
 )
 from ._staging import StagingPreparer
 
@@ -584,19 +585,9 @@ class CheckpointMixin:
                 "... --overwrite`)"
             )
         missing = metadata.get("missing")
-        if self.manager is not None and isinstance(missing, dict) and missing:
+        if self.manager is not None and isinstance(missing, dict):
             # fit(): Lightning resumes with these fresh (empty lists), not where they were.
-            named = ", ".join(f"{k} ({why})" for k, why in missing.items())
-            source = metadata.get("imported_from")
-            warnings.warn(
-                f"stepvault: {self.run}@{info.step}"
-                + (f" (imported from {source})" if source else "")
-                + f" holds no {named}: this resume starts "
-                + ("it" if len(missing) == 1 else "them")
-                + " fresh, so training does not continue exactly as the original run would",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            warn_resume_gaps(self.run, info.step, metadata, list(missing))
         return to_lightning_checkpoint({**extra, **holder}, layout)
 
 

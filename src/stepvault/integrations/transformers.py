@@ -55,6 +55,7 @@ from ._common import (
     open_manager_on_rank0,
     read_checkpoint,
     rng_state_of_this_rank,
+    warn_resume_gaps,
 )
 
 try:
@@ -343,8 +344,6 @@ class StepvaultTrainerMixin(_TrainerBase):
         """Warn (on process zero) naming the training state the checkpoint lacks — an
         import of a ``checkpoint-N`` folder without ``optimizer.pt``, say — which the
         resume starts fresh; a checkpoint without ``trainer_state`` resumes at its step."""
-        recorded = info.metadata.get("missing") if isinstance(info.metadata, dict) else None
-        why = recorded if isinstance(recorded, dict) else {}
         absent = [k for k in _KEYS[1:] if k != "scaler" and holder.get(k) is None]
         if getattr(self.accelerator, "scaler", None) is not None and holder.get("scaler") is None:
             absent.append("scaler")  # training with a GradScaler the checkpoint has no state of
@@ -355,17 +354,7 @@ class StepvaultTrainerMixin(_TrainerBase):
             )
         if not absent or rank_and_world()[0] != 0:
             return
-        source = info.metadata.get("imported_from") if isinstance(info.metadata, dict) else None
-        named = ", ".join(f"{k} ({why[k]})" if k in why else k for k in absent)
-        warnings.warn(
-            f"stepvault: {cb.run}@{info.step}"
-            + (f" (imported from {source})" if source else "")
-            + f" holds no {named}: this resume starts "
-            + ("it" if len(absent) == 1 else "them")
-            + " fresh, so training does not continue exactly as the original run would",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        warn_resume_gaps(cb.run, info.step, info.metadata, absent)
 
     def _stepvault_restored(self, checkpoint: Any) -> dict[str, Any] | None:
         resume = self._stepvault_resume
