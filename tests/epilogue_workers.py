@@ -4,33 +4,14 @@ module level). Each rank writes "ok" or its traceback to ``out/rank<N>.txt``."""
 from __future__ import annotations
 
 import json
-import os
-import sys
-import traceback
 import warnings
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from helpers import run_rank_task
 
 
 def run(rank: int, world: int, port: int, task: str, root: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        globals()[f"task_{task}"](rank, world, Path(root), Path(out))
-        result = "ok"
-    except BaseException as exc:  # reported to the parent through a file per rank
-        result = f"error {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    finally:
-        (Path(out) / f"rank{rank}.txt").write_text(result)
-        dist.destroy_process_group()
-    # As dist_workers.run: skip C++ static destructors (a joinable gloo thread can abort
-    # the process after the rank reported).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_rank_task(globals(), rank, world, port, task, root, out)
 
 
 def _ddp_state() -> dict:

@@ -77,6 +77,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_rank_task(
+    tasks: dict[str, Callable[..., None]],
+    rank: int,
+    world: int,
+    port: int,
+    task: str,
+    root: str,
+    out: str,
+) -> None:
+    """The body of a ``*_workers.run``: join a gloo group on ``port``, run
+    ``tasks[f"task_{task}"](rank, world, Path(root), Path(out))`` (a worker module passes
+    its ``globals()``) and write ``ok`` or the traceback to ``out/rank<r>.txt``."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        tasks[f"task_{task}"](rank, world, Path(root), Path(out))
+        result = "ok"
+    except BaseException as exc:  # reported to the parent through a file per rank
+        result = f"error {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        (Path(out) / f"rank{rank}.txt").write_text(result)
+        dist.destroy_process_group()
+    # As dist_workers.run: skip C++ static destructors (a joinable gloo thread can abort
+    # the process after the rank reported).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(
     run: Callable[..., None],
     world: int,

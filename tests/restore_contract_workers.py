@@ -8,28 +8,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from helpers import run_rank_task
 
 
 def run(rank: int, world: int, port: int, task: str, root: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        globals()[f"task_{task}"](rank, world, root, out)
-        result = "ok"
-    except BaseException as exc:  # reported to the parent through a file per rank
-        result = f"error {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    finally:
-        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
-            f.write(result)
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see dist_workers.run: skip C++ static destructors after reporting
+    run_rank_task(globals(), rank, world, port, task, root, out)
 
 
 def build(out_features: int = 4, seed: int = 0) -> dict:

@@ -13,6 +13,7 @@ work is in the modules named above.)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping, MutableMapping
@@ -194,14 +195,7 @@ class CheckpointManager:
 
     @total_steps.setter
     def total_steps(self, total: int | None) -> None:
-        self._settings = RunSettings(  # validated
-            self._settings.options,
-            async_save=self._settings.async_save,
-            codec=self._settings.codec,
-            total_steps=total,
-            best_metric=self._settings.best_metric,
-            best_mode=self._settings.best_mode,
-        )
+        self._settings = dataclasses.replace(self._settings, total_steps=total)  # validated
         self._p.session.options = self._settings
 
     @property
