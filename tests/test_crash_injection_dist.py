@@ -24,7 +24,9 @@ from helpers import final_digest
 import stepvault
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_loop_dist.py"
-ARGS = ["--steps", "36", "--save-every", "3", "--slow-writes", "0.05"]  # ~2 s of training
+ARGS = ["--steps", "72", "--save-every", "3", "--slow-writes", "0.05"]  # ~4 s of training: the
+# kill comes within 1.5 s of the first step, well before the end (36 steps, ~2 s, once
+# finished first on a quiet machine: saves got cheaper)
 
 pytestmark = pytest.mark.slow
 
