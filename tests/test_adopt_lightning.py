@@ -18,6 +18,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 import stepvault  # noqa: E402
 from stepvault.cli.main import app  # noqa: E402
+from stepvault.errors import ResumeGapWarning  # noqa: E402
 from stepvault.integrations.lightning import StepvaultCheckpoint  # noqa: E402
 
 #: one_thread (tests/conftest.py): tiny models are faster, and steadier, on one thread
@@ -180,7 +181,7 @@ def test_weights_only_lightning_import_says_what_it_lacks_and_resume_warns(tmp_p
 
     cb = StepvaultCheckpoint(root, run="lit")
     trainer = _trainer(tmp_path / "ours", TOTAL, [cb])
-    with pytest.warns(RuntimeWarning, match=r"holds no optimizer .*scheduler .*fresh"):
+    with pytest.warns(ResumeGapWarning, match=r"holds no optimizer .*scheduler .*fresh"):
         trainer.fit(_module(), _data(), ckpt_path=cb.resume_path)
     # The weights and the loops came back; the optimizer started fresh (with a warning).
     assert cb.last_restore is not None and cb.last_restore.step == FIRST

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import stepvault
 from stepvault.cli.main import app
-from stepvault.errors import StepvaultError
+from stepvault.errors import ResumeGapWarning, StepvaultError
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
@@ -117,6 +117,53 @@ def test_dcp_get_state_dict_import_continues_like_dcp_resume(tmp_path, verb):
     assert all(torch.equal(weights[k], saved[k]) for k in saved)
 
 
+def test_dcp_flattened_optimizer_import_continues_like_dcp_resume(tmp_path):
+    """``StateDictOptions(flatten_optimizer_state_dict=True)`` (torchtitan, pipeline
+    parallelism) writes ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>``: it used to
+    come in as a plain dict that a restore could not put into an optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def groups(model: torch.nn.Module) -> torch.optim.Optimizer:
+        first, *rest = list(model.children())
+        return torch.optim.AdamW(
+            [
+                {"params": first.parameters(), "lr": 1e-2},
+                {"params": [p for m in rest for p in m.parameters()], "lr": 3e-3},
+            ],
+            weight_decay=0.1,
+        )
+
+    model = _model()
+    opt = groups(model)
+    _train(model, opt, range(3))
+    msd, osd = get_state_dict(model, opt, options=flat)
+    assert next(iter(osd)).startswith("state.")  # the flat layout
+    src = tmp_path / "dcp"
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(src))
+
+    ref_model = _fresh()[0]
+    ref_opt = groups(ref_model)
+    rmsd, rosd = get_state_dict(ref_model, ref_opt, options=flat)
+    dcp.load({"model": rmsd, "optimizer": rosd}, checkpoint_id=str(src))
+    set_state_dict(ref_model, ref_opt, model_state_dict=rmsd, optim_state_dict=rosd, options=flat)
+
+    root = str(tmp_path / "store")
+    out = _cli("--root", root, "import", str(src), "--run", "f", "--step", "3", "--trust")
+    assert "optimizer (optimizer)" in out, out
+    live_model = _fresh()[0]
+    live_opt = groups(live_model)
+    stepvault.restore(root, {"model": live_model, "optimizer": live_opt}, run="f")
+    assert [g["lr"] for g in live_opt.param_groups] == [1e-2, 3e-3]
+    assert len(live_opt.state) == len(list(live_model.parameters()))
+    _train(ref_model, ref_opt, range(3, 6))
+    _train(live_model, live_opt, range(3, 6))
+    _same(live_model, ref_model)  # bitwise like DCP's own resume of the flat layout
+    _train(model, opt, range(3, 6))
+    _same(live_model, model)
+
+
 def test_import_dcp_command_stores_kinds(tmp_path):
     model, opt = _trained()
     msd, osd = get_state_dict(model, opt)
@@ -200,7 +247,7 @@ def test_safetensors_weights_import_says_it_has_no_optimizer(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "missing optimizer: the source holds weights only" in done.stdout, done.stdout
     ckpt = stepvault.open(root).checkpoint("w@0")
-    assert ckpt.metadata["lacks"] == ["optimizer"]
+    assert ckpt.metadata["missing"] == {"optimizer": "the source holds weights only"}
 
     # Weights: a plain loop fine-tunes from them exactly as from load_state_dict.
     live_model, _ = _fresh()
@@ -217,7 +264,9 @@ def test_safetensors_weights_import_says_it_has_no_optimizer(tmp_path):
     full_model, full_opt = _fresh()
     with pytest.raises(StepvaultError, match="optimizer: not in checkpoint"):
         stepvault.restore(root, {"model": full_model, "optimizer": full_opt}, run="w")
-    with pytest.warns(UserWarning, match="without optimizer"):
+    with pytest.warns(
+        ResumeGapWarning, match=r"holds no optimizer \(the source holds weights only\)"
+    ):
         stepvault.restore(root, {"model": full_model, "optimizer": full_opt}, run="w", strict=False)
 
 
@@ -258,3 +307,23 @@ def test_dcp_tutorial_app_state_layout_continues_like_dcp_resume(tmp_path):
     _train(ref_model, ref_opt, range(3, 6))
     _train(live_model, live_opt, range(3, 6))
     _same(live_model, ref_model)
+
+
+def test_imports_of_older_stores_still_warn_with_their_lacks_list(tmp_path):
+    """Before the key was unified an import recorded ``metadata["lacks"]`` (a list); a
+    resume from such a checkpoint still warns, with the same warning class."""
+    model, _ = _trained()
+    root = str(tmp_path / "store")
+    stepvault.save(
+        root,
+        {"model": model},
+        run="old",
+        step=1,
+        metadata={"imported_from": "/data/w.safetensors", "lacks": ["optimizer"]},
+    )
+    live_model, live_opt = _fresh()
+    with pytest.warns(ResumeGapWarning, match=r"imported from /data/w.safetensors.*optimizer"):
+        stepvault.restore(
+            root, {"model": live_model, "optimizer": live_opt}, run="old", strict=False
+        )
+    _same(live_model, model)

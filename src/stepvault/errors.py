@@ -26,6 +26,7 @@ __all__ = [
     "PreconditionFailed",
     "ReadOnlyError",
     "RegistryError",
+    "ResumeGapWarning",
     "SigningError",
     "StateMismatchError",
     "StepvaultError",
@@ -192,3 +193,10 @@ class ReadOnlyError(StepvaultError, PermissionError):
 
 class UnsafeBindError(StepvaultError, ValueError):
     """A non-loopback address was asked for without a token."""
+
+
+class ResumeGapWarning(RuntimeWarning):
+    """A resume left some training state fresh because the checkpoint does not hold it
+    (an import whose source had no optimizer, scheduler or RNG state: its
+    ``metadata["missing"]`` says why). Training goes on, but not exactly as the original
+    run would; ``warnings.simplefilter("error", ResumeGapWarning)`` makes it fatal."""

@@ -105,10 +105,12 @@ app.command(
 def _missing(report: Any) -> dict[str, str]:
     """What a training resume needs that the import does not hold: entry -> why (what the
     importer recorded, and an optimizer when only weights came in)."""
+    from ..ops.migrate.base import WEIGHTS_ONLY
+
     missing = dict(getattr(report, "missing", None) or {})
     kinds = {kind.partition(":")[0] for kind in report.entries.values()}
     if "module" in kinds and "optimizer" not in kinds and "optimizer" not in missing:
-        missing["optimizer"] = "the source holds weights only"
+        missing["optimizer"] = WEIGHTS_ONLY
     return missing
 
 

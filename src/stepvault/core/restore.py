@@ -18,9 +18,12 @@ import torch
 from .._progress import ProgressFn
 from ..errors import (
     CheckpointNotFoundError,
+    IntegrityError,
+    NoValidCheckpointError,
     StoreNotFoundError,
 )
 from ..store import Store, validate_run_name
+from .gaps import recorded_gaps, warn_resume_gaps
 from .info import RestoreInfo
 from .planner import (
     RestorePlanner,
@@ -58,7 +61,7 @@ def restore(
     root: Root,
     state: MutableMapping[str, Any],
     *,
-    run: str,
+    run: str | None = None,
     step: int | Literal["latest"] = "latest",
     strict: bool = True,
     missing_ok: bool = False,
@@ -68,6 +71,7 @@ def restore(
     progress: bool | ProgressFn | None = None,
     resume_from_light: bool = False,
     mem: bool | str = True,
+    verify: Literal["fast", "full"] = "fast",
 ) -> RestoreInfo | None:
     """Load checkpoint ``run@step`` into the live objects of ``state``.
 
@@ -101,10 +105,30 @@ def restore(
     (``$STEPVAULT_MEM_ROOT`` or ``/dev/shm/stepvault``), a path names the root, False
     reads the store's own tiers only.
 
+    ``verify``: ``"fast"`` (default) checks each object with the xxh3-128 checksums of its
+    segments recorded at save (BLAKE3 for objects written without them); ``"full"``
+    re-hashes every object with BLAKE3 against its name. A signed checkpoint is always
+    read ``"full"``. Either way damage is found before anything is placed (FORMAT.md §3.3).
+
     Returns None when the run has no checkpoint and ``missing_ok`` is true (a fresh start).
     Under a process group every rank calls it; a checkpoint saved on N ranks loads on M.
+
+    Without ``run``, ``root`` is a reference that names its store and step: what a tracker
+    recorded (``stepvault:ROOT#RUN@STEP``) or hands back (``models:/NAME@ALIAS``,
+    ``models:/NAME/VERSION`` or a LoggedModel's ``models:/ID`` from MLflow, a W&B
+    ``wandb-artifact://`` URI): that exact checkpoint, no fallback; a deleted or damaged
+    one is an error naming it and the run's checkpoints left (INTEGRATIONS.md).
     """
+    located = None
+    if run is None:
+        from ..catalog.refs import parse_located_ref
+
+        located = parse_located_ref(str(root))
+        root, run, step = located.root, located.run, located.step
     validate_run_name(run)
+    from ..engine.reader import check_verify_mode
+
+    check_verify_mode(verify)
     if is_collective(state, collective):
         _no_assign(assign)
         return restore_collective(root, state, run, step, missing_ok, workers)
@@ -120,6 +144,8 @@ def restore(
     if mem is not False:  # this node's memory first, when it holds the run's mem tier
         store = with_mem_tier(store, run, None if mem is True else str(mem))
     source = Source(store, run)
+    if located is not None:
+        return _restore_located(located, store, source, state, strict, workers, progress)
     chosen = source.choose(step, light=resume_from_light)
     if not chosen.steps:
         if missing_ok:
@@ -144,31 +170,61 @@ def restore(
         workers=workers,
         progress=progress,
         on_sharded=lambda _step: _no_assign(assign),
+        verify=verify,
     )
     _warn_lacking(info, state)
     return info
 
 
+def _restore_located(
+    located: Any,
+    store: Store,
+    source: Source,
+    state: MutableMapping[str, Any],
+    strict: bool,
+    workers: int | None,
+    progress: bool | ProgressFn | None,
+) -> RestoreInfo:
+    """The exact checkpoint a tracker's reference names; deleted or damaged is an error
+    that says which, and which checkpoints of the run are left."""
+    run, step = located.run, located.step
+    what = f"{located.source!r} points at {run}@{step} in {located.root}"
+
+    def left() -> str:
+        steps = [s for s in store.list_steps(run) if s != step]
+        shown = ", ".join(f"{run}@{s}" for s in steps[-8:])
+        return (
+            f"the run's checkpoints left: {shown} (restore one with run={run!r}, step=N)"
+            if steps
+            else f"run {run!r} has no other checkpoint there"
+        )
+
+    if step not in store.list_steps(run):
+        raise CheckpointNotFoundError(f"{what}, which is deleted (not committed); {left()}")
+    chosen = source.choose(step, light=True)
+    try:
+        info = restore_local(
+            source, state, chosen, strict=strict, light=True, workers=workers, progress=progress
+        )
+    except (IntegrityError, NoValidCheckpointError) as exc:
+        raise type(exc)(f"{what}, which is damaged: {exc}; {left()}") from exc
+    _warn_lacking(info, state)
+    return info
+
+
 def _warn_lacking(info: RestoreInfo | None, state: MutableMapping[str, Any]) -> None:
-    """An import that recorded what its source lacked (``metadata["lacks"]``, a list, or
-    ``metadata["missing"]``, entry -> why; e.g. a weights-only file has no optimizer): warn
-    when the live state expected it (a ``strict=False`` restore leaves it fresh)."""
-    meta = (info.metadata or {}) if info is not None else {}
-    lacks = {str(k) for k in meta.get("lacks") or []} | {str(k) for k in meta.get("missing") or {}}
-    missing = [
+    """An import that recorded what its source lacked (``metadata["missing"]``; e.g. a
+    weights-only file has no optimizer): warn when the live state expected it (a
+    ``strict=False`` restore leaves it fresh)."""
+    if info is None:
+        return
+    gaps = recorded_gaps(info.metadata)
+    absent = [
         key
         for key, obj in state.items()
-        if key in lacks or ("optimizer" in lacks and isinstance(obj, torch.optim.Optimizer))
+        if key in gaps or ("optimizer" in gaps and isinstance(obj, torch.optim.Optimizer))
     ]
-    if info is not None and missing:
-        import warnings
-
-        warnings.warn(
-            f"{info.run}@{info.step} was imported from a source without {', '.join(missing)} "
-            f"({info.metadata.get('imported_from')}): {', '.join(missing)} kept its fresh "
-            "state, so training does not continue where the source left off",
-            stacklevel=3,
-        )
+    warn_resume_gaps(info.run, info.step, info.metadata, absent, stacklevel=3)
 
 
 def _no_assign(assign: bool) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from .._rank import rank_and_world
 from ..catalog import checkpoint_records
+from ..core.gaps import warn_resume_gaps  # noqa: F401  (the integrations import it from here)
 from ..core.info import RestoreInfo
 from ..core.planner import Source, restore_local
 from ..errors import CheckpointNotFoundError, StoreNotFoundError
@@ -237,29 +238,3 @@ def open_manager_on_rank0(owner: Any, options: dict[str, Any]) -> None:
         )
 
     on_rank0(create, "opening the stepvault run")
-
-
-def warn_resume_gaps(
-    run: str, step: int, metadata: Any, absent: list[str], *, stacklevel: int = 4
-) -> None:
-    """Warn that a resume from ``run@step`` starts ``absent`` entries fresh (an import
-    whose source lacked them: ``metadata["missing"]`` says why, ``imported_from`` where
-    from). One message for every trainer integration."""
-    if not absent:
-        return
-    import warnings
-
-    meta = metadata if isinstance(metadata, dict) else {}
-    recorded = meta.get("missing")
-    why: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
-    named = ", ".join(f"{k} ({why[k]})" if k in why else k for k in absent)
-    source = meta.get("imported_from")
-    warnings.warn(
-        f"stepvault: {run}@{step}"
-        + (f" (imported from {source})" if source else "")
-        + f" holds no {named}: this resume starts "
-        + ("it" if len(absent) == 1 else "them")
-        + " fresh, so training does not continue exactly as the original run would",
-        RuntimeWarning,
-        stacklevel=stacklevel + 1,
-    )

@@ -17,6 +17,9 @@ import torch
 
 from ...errors import StepvaultError
 
+#: why an import lacks an optimizer when its source holds weights alone
+WEIGHTS_ONLY = "the source holds weights only"
+
 
 @dataclass
 class ImportedState:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from ...core.info import SaveInfo
 from ...errors import StepvaultError, UntrustedInputError
-from .base import ImportedState, Importer, is_optimizer_state, kind_for
+from .base import WEIGHTS_ONLY, ImportedState, Importer, is_optimizer_state, kind_for
 
 
 def optimizer_by_index(value: Any, where: str) -> tuple[Any, list[list[str]] | None]:
@@ -68,12 +68,73 @@ def optimizer_by_index(value: Any, where: str) -> tuple[Any, list[list[str]] | N
     return converted, names
 
 
+def is_flat_optimizer_state(value: Any) -> bool:
+    """The layout of ``get_state_dict(..., options=StateDictOptions(
+    flatten_optimizer_state_dict=True))``: ``state.<fqn>.<key>`` and
+    ``param_groups.<fqn>.<key>`` in one flat mapping."""
+    if not isinstance(value, Mapping) or not value:
+        return False
+    keys = list(value)
+    return all(
+        isinstance(k, str) and (k.startswith("state.") or k.startswith("param_groups."))
+        for k in keys
+    ) and any(k.startswith("param_groups.") for k in keys)
+
+
+def unflatten_optimizer_state(value: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A flattened optimizer state (:func:`is_flat_optimizer_state`) → the name-keyed
+    ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}`` that
+    :func:`optimizer_by_index` renumbers.
+
+    Param-group keys (``lr``, ``betas``...) hold no dots, so ``param_groups.<fqn>.<key>``
+    splits at its last dot and names every parameter; a state key is matched to the longest
+    such name (optimizers like Shampoo nest their state below it, which comes back nested).
+    torch writes the groups one after the other, so consecutive parameters with the same
+    settings form one group; two adjacent groups with identical settings therefore come back
+    as one (``load_state_dict`` then names the group count that differs).
+    """
+    settings: dict[str, dict[str, Any]] = {}
+    for key, v in value.items():
+        if key.startswith("param_groups."):
+            fqn, _, name = key[len("param_groups.") :].rpartition(".")
+            if not fqn:
+                raise StepvaultError(f"{where}: flattened optimizer key {key!r} names no parameter")
+            settings.setdefault(fqn, {})[name] = v
+    fqns = sorted(settings, key=len, reverse=True)  # longest first: "a.b" before "a"
+    state: dict[str, dict[str, Any]] = {}
+    for key, v in value.items():
+        if not key.startswith("state."):
+            continue
+        rest = key[len("state.") :]
+        fqn = next((f for f in fqns if rest.startswith(f + ".")), None)
+        if fqn is None:
+            raise StepvaultError(
+                f"{where}: optimizer state {key!r} names no parameter of its param_groups; "
+                "load_state_dict would ignore it. Save with the param groups (get_state_dict)"
+            )
+        node = state.setdefault(fqn, {})
+        *path, leaf = rest[len(fqn) + 1 :].split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = v
+    groups: list[dict[str, Any]] = []
+    for fqn, group in settings.items():  # insertion order: the groups in torch's order
+        if groups and {k: v for k, v in groups[-1].items() if k != "params"} == group:
+            groups[-1]["params"].append(fqn)
+        else:
+            groups.append({**group, "params": [fqn]})
+    return {"state": state, "param_groups": groups}
+
+
 def optimizers_by_index(imported: ImportedState) -> None:
     """Convert every top-level optimizer entry of ``imported`` keyed by parameter names
     (:func:`optimizer_by_index`), recording the names in ``metadata["optimizer_param_names"]``
     (entry → names per param group)."""
     recorded: dict[str, list[list[str]]] = {}
     for key, value in list(imported.tree.items()):
+        if is_flat_optimizer_state(value):
+            value = unflatten_optimizer_state(value, f"{imported.source}: entry {key!r}")
+            imported.tree[key] = value
         converted, names = optimizer_by_index(value, f"{imported.source}: entry {key!r}")
         if names is not None:
             imported.tree[key] = converted
@@ -122,13 +183,12 @@ class DcpImporter(Importer):
 
 
 def note_missing_optimizer(imported: ImportedState) -> None:
-    """Record in ``metadata["lacks"]`` that a source holds weights but no optimizer state
-    (``stepvault import`` says so; a resume from it starts with a fresh optimizer)."""
+    """Record in ``imported.missing`` (``metadata["missing"]`` once committed) that a source
+    holds weights but no optimizer state (``stepvault import`` says so; a resume from it
+    starts with a fresh optimizer and warns)."""
     kinds = set(imported.kinds.values())
     if "module" in kinds and "optimizer" not in kinds:
-        lacks = imported.metadata.setdefault("lacks", [])
-        if "optimizer" not in lacks:
-            lacks.append("optimizer")
+        imported.missing.setdefault("optimizer", WEIGHTS_ONLY)
 
 
 def import_dcp(

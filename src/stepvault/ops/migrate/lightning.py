@@ -47,9 +47,6 @@ def _from_lightning(obj: Any, imported: ImportedState) -> None:
     imported.kinds["model"] = "module"  # even when a model has no parameters
     imported.kinds["lightning"] = "value"
     imported.metadata["lightning_layout"] = layout
-    if imported.missing:
-        # what stepvault.restore's warning reads (the reasons go to metadata["missing"])
-        imported.metadata["lacks"] = sorted(imported.missing)
     imported.step = step_from(obj.get("global_step"), "the checkpoint's global_step")
     epoch = obj.get("epoch")
     imported.epoch = epoch if isinstance(epoch, int) and epoch >= 0 else None

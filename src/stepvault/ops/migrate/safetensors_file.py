@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from ...errors import StepvaultError
-from .base import ImportedState, Importer
+from .base import WEIGHTS_ONLY, ImportedState, Importer
 
 
 def load_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -28,7 +28,7 @@ def load_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 def read_safetensors_file(path: str) -> ImportedState:
     """Read one ``.safetensors`` file as the ``model`` module's weights (weights only:
-    ``metadata["lacks"]`` records that it holds no optimizer state)."""
+    ``metadata["missing"]`` records that it holds no optimizer state)."""
     weights = load_safetensors(path)
     return ImportedState(
         "safetensors",
@@ -36,7 +36,7 @@ def read_safetensors_file(path: str) -> ImportedState:
         {"model": weights},
         {"model": "module"},
         files=[os.path.basename(path)],
-        metadata={"lacks": ["optimizer"]},
+        missing={"optimizer": WEIGHTS_ONLY},
     )
 
 
