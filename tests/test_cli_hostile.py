@@ -225,6 +225,7 @@ def test_an_unwritable_output_path_is_one_line(store: Path, tmp_path: Path) -> N
         ["repair", "exp", "--dry-run"],
         ["pin", "exp@1"],
         ["unpin", "exp@1"],
+        ["tiers", "ls", "exp"],
     ],
 )
 def test_a_run_that_does_not_exist_names_the_nearest(store: Path, args: list[str]) -> None:
@@ -235,6 +236,18 @@ def test_a_run_that_does_not_exist_names_the_nearest(store: Path, args: list[str
 def test_an_unknown_run_far_from_any_lists_the_runs(store: Path) -> None:
     line = assert_usage_error(invoke("--root", str(store), "ls", "zzzzzz"), "no run 'zzzzzz'")
     assert f"runs: {RUN}" in line
+
+
+def test_an_unknown_model_names_the_registered_ones(tmp_path: Path) -> None:
+    _fill(tmp_path, range(1, 3))
+    root = ["--root", str(tmp_path)]
+    line = assert_usage_error(invoke(*root, "models", "llama"), "no model 'llama'")
+    assert "it holds no models yet" in line  # nothing registered at all
+    assert invoke(*root, "register", "llama", f"{RUN}@1").exit_code == 0
+    line = assert_usage_error(invoke(*root, "models", "lama"), "no model 'lama'")
+    assert "did you mean 'llama'" in line
+    shown = invoke(*root, "models", "llama", "--json")
+    assert shown.exit_code == 0 and '"model": "llama"' in shown.output
 
 
 # ------------------------------------------------------------------- gc tells the truth

@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import sys
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -115,24 +116,33 @@ def _root(root: str | None) -> str:
     return path
 
 
-def existing_run(store: Store, run: str) -> str:
-    """``run`` when ``store`` has it; otherwise a :class:`CheckpointNotFoundError` naming
-    the nearest run names (difflib) or, when none is close, the runs there are.
+def existing_run(store: Store, run: str, *, also: Iterable[str] = ()) -> str:
+    """``run`` when ``store`` (or ``also``: runs known elsewhere, e.g. on a cold tier or in
+    node memory) has it; otherwise a :class:`CheckpointNotFoundError` naming the nearest run
+    names (difflib) or, when none is close, the runs there are.
 
     For commands that take a run name: a typo must not read as an empty run.
     """
-    runs = sorted(store.list_runs())
-    if run in runs:
-        return run
-    where = f"no run {run!r} in {store.backend.url}"
-    if not runs:
-        raise CheckpointNotFoundError(f"{where}: the store holds no runs yet")
-    near = difflib.get_close_matches(run, runs, n=3, cutoff=0.6)
+    runs = sorted(set(store.list_runs()) | set(also))
+    return existing_name("run", run, runs, store.backend.url, "stepvault ls")
+
+
+def existing_name(kind: str, name: str, names: Iterable[str], where: str, listing: str) -> str:
+    """``name`` when it is one of ``names``; otherwise a :class:`CheckpointNotFoundError`
+    "no <kind> 'name' in <where>" with the nearest names, or the names there are, and the
+    command that lists them all."""
+    known = sorted(set(names))
+    if name in known:
+        return name
+    head = f"no {kind} {name!r} in {where}"
+    if not known:
+        raise CheckpointNotFoundError(f"{head}: it holds no {kind}s yet")
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
     if near:
-        names = " or ".join(repr(n) for n in near)
-        raise CheckpointNotFoundError(f"{where}; did you mean {names}? (all runs: stepvault ls)")
-    shown = ", ".join(runs[:10]) + (f" and {len(runs) - 10} more" if len(runs) > 10 else "")
-    raise CheckpointNotFoundError(f"{where}; runs: {shown}")
+        shown = " or ".join(repr(n) for n in near)
+        raise CheckpointNotFoundError(f"{head}; did you mean {shown}? (all: {listing})")
+    shown = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
+    raise CheckpointNotFoundError(f"{head}; {kind}s: {shown} (all: {listing})")
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]

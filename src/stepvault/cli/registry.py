@@ -16,7 +16,18 @@ from ..errors import StepvaultError
 from ..registry import Registry, lineage_report
 from ..store import Store
 from ..store.signing import Signer, signer_from_env
-from .common import JsonOpt, RootOpt, _emit_json, _fail, _ops, _root, _time, app, console
+from .common import (
+    JsonOpt,
+    RootOpt,
+    _emit_json,
+    _fail,
+    _ops,
+    _root,
+    _time,
+    app,
+    console,
+    existing_name,
+)
 from .output import print_table
 
 KeyOpt = Annotated[
@@ -228,7 +239,13 @@ def models_cmd(
     """Registered models: versions, aliases and (with --history) every alias move."""
     try:
         reg = Registry(_root(root))
-        names = [model] if model else reg.models()
+        known = reg.models()
+        # a typo must not read as a model with no versions: name the models there are
+        names = (
+            [existing_name("model", model, known, _root(root), "stepvault models")]
+            if model
+            else known
+        )
         data: list[dict[str, Any]] = [
             {
                 "model": name,

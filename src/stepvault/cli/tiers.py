@@ -19,6 +19,7 @@ from .common import (
     app,
     console,
     duration_option,
+    existing_run,
     human_bytes,
 )
 from .output import print_table
@@ -155,15 +156,21 @@ def tiers_ls(
     node memory the mem tier holds."""
     from ..store import Store
     from ..tiers.config import Tiers
-    from ..tiers.view import catalog
+    from ..tiers.view import TieredView, catalog
     from .mem import mem_usage, print_mem_usage
 
     try:
         tiers = Tiers.of(Store.open(_root(root)))
         entries = catalog(tiers, run)
+        mem = [m for m in mem_usage(tiers.hot, mem_root) if run is None or m["run"] == run]
+        if run is not None and not entries and not mem:
+            # a typo must not read as a run with nothing anywhere: name the runs there are
+            known = set(TieredView(tiers).list_runs())
+            existing_run(
+                tiers.hot, run, also=known | {m["run"] for m in mem_usage(tiers.hot, mem_root)}
+            )
     except StepvaultError as exc:
         return _fail(exc)
-    mem = [m for m in mem_usage(tiers.hot, mem_root) if run is None or m["run"] == run]
     if as_json:
         return _emit_json(
             {
