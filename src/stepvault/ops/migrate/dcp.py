@@ -106,14 +106,14 @@ def unflatten_optimizer_state(value: Mapping[str, Any], where: str) -> dict[str,
         if not key.startswith("state."):
             continue
         rest = key[len("state.") :]
-        fqn = next((f for f in fqns if rest.startswith(f + ".")), None)
-        if fqn is None:
+        owner = next((f for f in fqns if rest.startswith(f + ".")), None)
+        if owner is None:
             raise StepvaultError(
                 f"{where}: optimizer state {key!r} names no parameter of its param_groups; "
                 "load_state_dict would ignore it. Save with the param groups (get_state_dict)"
             )
-        node = state.setdefault(fqn, {})
-        *path, leaf = rest[len(fqn) + 1 :].split(".")
+        node = state.setdefault(owner, {})
+        *path, leaf = rest[len(owner) + 1 :].split(".")
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = v
