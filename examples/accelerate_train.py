@@ -108,6 +108,9 @@ def main() -> None:
     ckpt.close()
     if accelerator.is_main_process:
         print(f"FINAL {digest(accelerator.unwrap_model(model))}", flush=True)
+    # Destroys the process group: a gloo group left to the interpreter's exit can abort
+    # the process after the job finished.
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

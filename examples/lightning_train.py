@@ -131,6 +131,16 @@ def main() -> None:
         restored = ckpt.last_restore
         print(f"RESUMED {restored.step}" if restored else "FRESH", flush=True)
         print(f"FINAL {digest(model)}", flush=True)
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the process group before exit (Lightning's DDP leaves it alive): a gloo
+    group left to the interpreter's exit can abort the process after the job finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

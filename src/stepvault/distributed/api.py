@@ -11,6 +11,7 @@ is :mod:`.agreement`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Mapping
@@ -234,8 +235,13 @@ class AsyncSaver:
         )
 
     def close(self) -> None:
-        """Release the staging buffers."""
+        """Release the staging buffers and destroy the group this saver created (a gloo
+        group left to the interpreter's exit can abort the process there)."""
         self._stager.release()
+        pg, self._pg = self._pg, None
+        if pg is not None and dist.is_initialized():
+            with contextlib.suppress(ValueError, RuntimeError):  # already destroyed
+                dist.destroy_process_group(pg)
 
     def save(
         self,

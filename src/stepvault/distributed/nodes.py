@@ -7,8 +7,14 @@ launcher's), else the hostname. The local rank is ``LOCAL_RANK`` when set, else 
 rank's position among the ranks that share its node id.
 
 The buddy of a rank is the rank that stores the replicas of its memory checkpoints: by
-default the same local rank on the next node of a ring (nodes ordered by their lowest
-global rank), or the same local rank on the node a ``buddies`` map names.
+default the rank at the same *position* on the next node of a ring (nodes ordered by their
+lowest global rank; a rank's position is its place among its node's ranks ordered by local
+rank), or at the same position on the node a ``buddies`` map names. Pairing by position
+rather than by the ``LOCAL_RANK`` value works for torchrun's layout (every node numbers its
+ranks 0..k-1) and for nodes simulated on one machine whose ranks keep the launcher's
+``LOCAL_RANK`` (0 on one node, 1 on the other). A rank with no partner (one node only,
+or a buddy node with fewer ranks) gets none, and :meth:`NodeLayout.no_buddy_reason` says
+why (the replicated mem tier warns with it and logs a ``replica_no_buddy`` event).
 """
 
 from __future__ import annotations
@@ -66,10 +72,47 @@ class NodeLayout:
         return list(dict.fromkeys(self.nodes))
 
     def rank_of(self, node: str, local_rank: int) -> int | None:
+        """The global rank with ``local_rank`` on ``node`` (None: no such rank)."""
         for rank, (n, lr) in enumerate(zip(self.nodes, self.local_ranks, strict=True)):
             if n == node and lr == local_rank:
                 return rank
         return None
+
+    def ranks_on(self, node: str) -> list[int]:
+        """Global ranks on ``node``, ordered by local rank (a rank's index is its position)."""
+        ranks = [r for r, n in enumerate(self.nodes) if n == node]
+        return sorted(ranks, key=lambda r: (self.local_ranks[r], r))
+
+    def position(self, rank: int) -> int:
+        """``rank``'s place among its node's ranks ordered by local rank (0: the first)."""
+        return self.ranks_on(self.nodes[rank]).index(rank)
+
+    def _targets(self, buddy_nodes: Mapping[str, str] | None) -> dict[str, str]:
+        order = self.node_order
+        if buddy_nodes is None:
+            return {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
+        return {n: buddy_nodes[n] for n in order if n in buddy_nodes}
+
+    def no_buddy_reason(self, rank: int, buddy_nodes: Mapping[str, str] | None = None) -> str:
+        """Why ``rank`` has no buddy under :meth:`buddies` (call it for a rank without one)."""
+        node = self.nodes[rank]
+        order = self.node_order
+        if len(order) == 1:
+            return (
+                f"all {len(self.nodes)} ranks report the same node {node!r} (node ids come "
+                "from STEPVAULT_NODE, GROUP_RANK, NODE_RANK, else the hostname), so there "
+                "is no other node to keep a replica; launch across nodes with torchrun "
+                "(it sets GROUP_RANK) or set STEPVAULT_NODE per node"
+            )
+        peer_node = self._targets(buddy_nodes).get(node)
+        if peer_node is None:
+            return f"the buddy map names no buddy node for node {node!r}"
+        have = len(self.ranks_on(peer_node))
+        return (
+            f"rank {rank} is rank {self.position(rank) + 1} of node {node!r}, but its buddy "
+            f"node {peer_node!r} has only {have} rank(s): give every node the same number "
+            "of ranks"
+        )
 
     def buddies(self, buddy_nodes: Mapping[str, str] | None = None) -> dict[int, int]:
         """Global rank -> the global rank that keeps its replicas (absent: no buddy).
@@ -78,10 +121,8 @@ class NodeLayout:
         node to a different node (a permutation), so each rank receives from one rank.
         """
         order = self.node_order
-        if buddy_nodes is None:
-            target = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
-        else:
-            target = {n: buddy_nodes[n] for n in order if n in buddy_nodes}
+        target = self._targets(buddy_nodes)
+        if buddy_nodes is not None:
             unknown = sorted(set(target.values()) - set(order))
             if unknown:
                 raise StepvaultError(
@@ -98,13 +139,14 @@ class NodeLayout:
                     f"replicas of exactly one other node (a permutation), got {dict(target)}"
                 )
         out: dict[int, int] = {}
-        for rank, (node, lr) in enumerate(zip(self.nodes, self.local_ranks, strict=True)):
+        for rank, node in enumerate(self.nodes):
             peer_node = target.get(node)
             if peer_node is None or peer_node == node:
                 continue  # a single node: nothing to replicate to
-            peer = self.rank_of(peer_node, lr)
-            if peer is not None:
-                out[rank] = peer
+            peers = self.ranks_on(peer_node)
+            position = self.position(rank)
+            if position < len(peers):  # same position: one sender per receiver
+                out[rank] = peers[position]
         return out
 
 

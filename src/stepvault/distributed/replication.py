@@ -23,7 +23,9 @@ import fcntl
 import os
 import queue
 import threading
-from collections.abc import Iterator, Mapping
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,12 @@ class Replicator:
     directory that holds it (peers go under ``mem_root/peers``), ``buddy_nodes`` an
     optional node id -> node id map instead of the ring, ``budget_bytes`` the node's
     memory budget for everything under ``mem_root``; ``events`` the store whose event log
-    records what replication did (default: ``own``).
+    records what replication did (default: ``own``), or ``on_event(event, **fields)`` to
+    record them elsewhere (the manager: the run's event log, tagged with the rank).
+
+    A rank that finds no buddy (one node only, or a buddy node with fewer ranks) warns
+    once with the reason (:attr:`no_buddy`) and logs a ``replica_no_buddy`` event: its
+    memory checkpoints are then in its own node's memory only.
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class Replicator:
         buddy_nodes: Mapping[str, str] | None = None,
         budget_bytes: int | None = None,
         events: Store | None = None,
+        on_event: Callable[..., None] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise StepvaultError(
@@ -84,12 +92,20 @@ class Replicator:
         self.mem_root = Path(mem_root)
         self.budget_bytes = budget_bytes
         self.events = events or self.own
+        self._on_event = on_event
         self.rank = dist.get_rank()
         self.layout: NodeLayout = discover_layout()
         buddies = self.layout.buddies(buddy_nodes)
         self.buddy: int | None = buddies.get(self.rank)
         self.source: int | None = next((s for s, b in buddies.items() if b == self.rank), None)
         self._buddies = buddies
+        #: why this rank has no buddy (None: it has one)
+        self.no_buddy: str | None = (
+            None if self.buddy is not None else self.layout.no_buddy_reason(self.rank, buddy_nodes)
+        )
+        #: the newest replica this rank received for its source rank (see :meth:`status`)
+        self.last_received: dict[str, Any] | None = None
+        self._queued_at: dict[int, float] = {}  # step -> when this rank queued it
         with contextlib.suppress(OSError):  # a reservation a killed predecessor left behind
             self._reservation().unlink()
         # Created on every rank in the same order (new_group is collective).
@@ -103,6 +119,28 @@ class Replicator:
             target=self._loop, name="stepvault-replication", daemon=True
         )
         self._thread.start()
+        self._closed = False
+
+    def _event(self, run: str, event: str, **fields: Any) -> None:
+        """Record what replication did (never breaks training)."""
+        with contextlib.suppress(Exception):
+            if self._on_event is not None:
+                self._on_event(event, **fields)
+            else:
+                log_event(self.events, run, event, **fields)
+
+    def announce(self, run: str) -> None:
+        """Warn and log once when this rank has no buddy: its memory checkpoints then live
+        only in its own node's memory (a lost node loses them)."""
+        if self.no_buddy is None:
+            return
+        warnings.warn(
+            f"stepvault: MemOptions(replicate=True) found no buddy for rank {self.rank} of "
+            f"run {run!r}, so its memory checkpoints are not replicated: {self.no_buddy}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._event(rank_run(run, self.rank), "replica_no_buddy", reason=self.no_buddy)
 
     # -- layout ---------------------------------------------------------------------------
     def buddy_of(self, rank: int) -> int | None:
@@ -123,7 +161,13 @@ class Replicator:
 
         Every rank calls it for the same ``run``/``step``, in the same order (after the
         collective save that committed them)."""
+        self._queued_at[step] = time.time()
         self._queue.put((run, step))
+
+    @property
+    def pending(self) -> int:
+        """Replications queued or running on this rank."""
+        return self._queue.unfinished_tasks
 
     def wait(self) -> None:
         """Block until every queued replication has finished (tests, shutdown)."""
@@ -131,8 +175,20 @@ class Replicator:
 
     def close(self) -> None:
         """Finish the queued replications and stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._thread.join()
+
+    def release(self) -> None:
+        """Destroy the replication group (after :meth:`close` and any last collective on
+        it): a gloo group left to the interpreter's exit can abort the process there."""
+        self.close()
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
+            with contextlib.suppress(ValueError, RuntimeError):  # already destroyed
+                dist.destroy_process_group(group)
 
     def _loop(self) -> None:
         while True:
@@ -143,8 +199,19 @@ class Replicator:
                 self._replicate_one(*job)
             except BaseException as exc:  # kept, reported; training is never interrupted
                 self.last_error = exc
-                with contextlib.suppress(Exception):
-                    log_event(self.events, job[0] if job else "-", "replica_failed", error=str(exc))
+                if job is not None:
+                    self.last_received = {
+                        "step": job[1],
+                        "state": "failed",
+                        "reason": f"{type(exc).__name__}: {exc}",
+                        "at": time.time(),
+                    }
+                    self._event(
+                        rank_run(job[0], self.rank),
+                        "replica_failed",
+                        step=job[1],
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
             finally:
                 self._queue.task_done()
 
@@ -169,6 +236,8 @@ class Replicator:
         if got is None:
             return
         self.reports.append(got)
+        now = time.time()
+        queued = self._queued_at.pop(step, None)
         fields: dict[str, Any] = {
             "step": got.step,
             "source_rank": self.source,
@@ -176,10 +245,39 @@ class Replicator:
             "bytes": got.bytes,
             "seconds": round(got.seconds, 6),
         }
+        if queued is not None:  # behind the commit into memory (queued right after it)
+            fields["lag_seconds"] = round(now - queued, 6)
+        self.last_received = {
+            "step": got.step,
+            "state": "replicated" if got.committed else "skipped",
+            "reason": got.skipped,
+            "lag_seconds": fields.get("lag_seconds"),
+            "at": now,
+        }
         if got.committed:
-            log_event(self.events, got.run, "replica", **fields)
+            self._event(got.run, "replica", **fields)
         else:
-            log_event(self.events, got.run, "replica_skipped", reason=got.skipped, **fields)
+            self._event(got.run, "replica_skipped", reason=got.skipped, **fields)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Collective (after :meth:`wait`): every rank's replica state, by rank: its buddy
+        and the newest replica of it that the buddy received (``state``: "replicated",
+        "skipped" or "failed", with the ``reason``; "none" before any; "no buddy" with
+        the reason)."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        mine = {"received": self.last_received, "no_buddy": self.no_buddy}
+        dist.all_gather_object(gathered, mine, group=self.group)
+        out: list[dict[str, Any]] = []
+        for rank, doc in enumerate(gathered):
+            buddy = self.buddy_of(rank)
+            if buddy is None:
+                out.append(
+                    {"rank": rank, "buddy": None, "state": "no buddy", "reason": doc["no_buddy"]}
+                )
+                continue
+            got = gathered[buddy]["received"] or {"state": "none"}
+            out.append({"rank": rank, "buddy": buddy, **got})
+        return out
 
     def _prepare(self, target: Store):
         def prepare(offer: Offer) -> tuple[list[str], str | None]:
@@ -212,7 +310,7 @@ class Replicator:
             # This thread is the only writer of this peer store, and no transfer into it is
             # in flight: no grace period is needed.
             sweep(target, grace_seconds=0)
-            log_event(self.events, run, "replica_evicted", steps=gone, source_rank=self.source)
+            self._event(run, "replica_evicted", steps=gone, source_rank=self.source)
 
     def _reservation(self) -> Path:
         return self.mem_root / "peers" / ".reserved" / f"rank{self.rank}"

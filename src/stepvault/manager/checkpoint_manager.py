@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
@@ -328,10 +329,27 @@ class CheckpointManager:
         self._check()
         self._preparer.prepare(state, implicit=False, wait=wait, partial=partial)
 
-    def wait(self) -> SaveInfo | None:
+    def wait(self, *, replicated: bool = False) -> SaveInfo | None:
         """Block until the save in flight (if any) is committed; raises its error
-        (warns instead with ``on_save_error="warn"``)."""
-        return self._p.saves.wait()
+        (warns instead with ``on_save_error="warn"``).
+
+        ``replicated=True`` (collective, with ``MemOptions(replicate=True)``): also wait
+        until every queued replica is written to (or refused by) the buddy node, then
+        gather every rank's replica state into ``stats()["replication"]["ranks"]``; a rank
+        whose newest memory checkpoint is not replicated (no buddy, a replica skipped or
+        failed) is named, with the reason, in a RuntimeWarning."""
+        info = self._p.saves.wait()
+        if replicated and self._p.rank_mem is not None:
+            ranks = self._p.rank_mem.wait_replicated()
+            bad = [r for r in ranks if r.get("state") not in ("replicated", "none")]
+            if bad:
+                warnings.warn(
+                    "stepvault: not replicated: "
+                    + "; ".join(f"rank {r['rank']}: {r['state']} ({r.get('reason')})" for r in bad),
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return info
 
     # ---------------------------------------------------------------------- retention
     def retention_plan(self) -> RetentionPlan:
@@ -403,9 +421,12 @@ class CheckpointManager:
     def stats(self) -> dict[str, Any]:
         """Summary: saves, failures, stalls, bytes, restores and their success rate."""
         staging = self._p.staging
-        return self._p.session.stats.summary(
+        out = self._p.session.stats.summary(
             staging.nbytes, ready=staging.ready, budget=staging.budget, peak=staging.peak_bytes
         )
+        if self._p.rank_mem is not None:  # MemOptions(replicate=True): replica state
+            out["replication"] = self._p.rank_mem.stats()
+        return out
 
     # ------------------------------------------------------------------------ closing
     def close(self) -> None:

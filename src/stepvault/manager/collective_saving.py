@@ -121,8 +121,8 @@ class CollectiveWriter:
                             future.result()
                     raise
                 fields.update(more)  # a failed mem write says so ("mem", "tier": "hot")
-                if mem_info is not None:
-                    fields["tier"] = "mem+hot" if disk else "mem"
+                if mem_info is not None:  # ("hot" when some rank's copy is not in memory)
+                    fields.setdefault("tier", "mem+hot" if disk else "mem")
                 if not disk:
                     if mem_info is None:
                         exc = StepvaultError(

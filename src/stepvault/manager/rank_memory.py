@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..catalog.events import log_event
 from ..core.info import RestoreInfo, SaveInfo
 from ..core.write import new_manifest
 from ..distributed.host_copies import HostCopies
@@ -95,7 +96,7 @@ class RankMemory:
         self.tier = open_mem_tier(
             session.store, self.run, root=node_mem.root, budget=node_mem.budget
         )
-        # Steps on disk are the collective run's; events go to the coordinator's log.
+        # Steps on disk are the collective run's; every rank's events go to the run's log.
         self.saver = MemSaver(
             MemRun(session.store, session.run, session.records, self._event),
             self.tier,
@@ -112,12 +113,20 @@ class RankMemory:
         # The node's memory budget: half for the replicas it holds, half for its ranks'
         # own copies (split among them), so the node's total never exceeds MemOptions.budget.
         self.replicator = Replicator(
-            self.tier.store, self.peers_root, budget_bytes=max(1, node_mem.budget // 2)
+            self.tier.store,
+            self.peers_root,
+            budget_bytes=max(1, node_mem.budget // 2),
+            on_event=self._event,  # the run's event log, this rank's events tagged so
         )
+        self.replicator.announce(session.run)  # no buddy: a warning and an event, with why
         layout = self.replicator.layout
         local = layout.nodes.count(layout.nodes[self.rank])
         self.tier.budget = node_mem.budget // (2 * local)
-        if layout.local_ranks[self.rank] == 0:
+        #: ranks whose copy of each staged step went into memory (the save event's tier)
+        self._in_memory: dict[int, list[int]] = {}
+        #: every rank's replica state after the last :meth:`wait_replicated`
+        self.replica_status: list[dict[str, Any]] | None = None
+        if layout.position(self.rank) == 0:  # the node's first rank, whatever LOCAL_RANK
             # The node's replica directory has one owner, its first rank. Every rank of
             # this job on the node has claimed its own tier before the layout was
             # gathered (collective), so the reclaim that follows never takes one of ours.
@@ -187,7 +196,11 @@ class RankMemory:
                 staged = RankStaged(manifest, host, decision.urgent, copies)
             else:
                 self.saver.session.event(
-                    "mem_over_budget", step=step, needed_bytes=need, budget=self.tier.budget
+                    "mem_over_budget",
+                    step=step,
+                    needed_bytes=need,
+                    budget=self.tier.budget,
+                    result="saved to disk by every rank",
                 )
         except (TypeError, ValueError, RuntimeError, OSError) as exc:  # e.g. DTensor state
             self.saver.session.event(
@@ -199,6 +212,7 @@ class RankMemory:
         wants = self.saver.wants_disk(step, decision.urgent)
         dist.all_gather_object(everyone, (staged is not None, wants))
         disk = not all(ok for ok, _ in everyone) or bool(everyone[0][1])
+        self._in_memory[step] = [r for r, (ok, _) in enumerate(everyone) if ok]
         return staged, disk
 
     def commit(
@@ -212,6 +226,16 @@ class RankMemory:
             info, fields = self.saver.save(
                 staged.manifest, staged.host, urgent=staged.urgent, digests=staged.copies.digests
             )
+        # The save event (rank 0's) says where every rank's copy went: "mem+hot" only when
+        # every rank staged into memory; the ranks that did not are named.
+        ranks = self._in_memory.pop(step, [])
+        missing = [r for r in range(dist.get_world_size()) if r not in ranks]
+        if info is None:
+            fields.setdefault("tier", "hot")
+        elif missing:
+            fields["tier"] = "hot"
+        if missing:
+            fields["mem_missing_ranks"] = missing
         # Every rank queues every step (the replicator's transfers pair ranks in order); a
         # rank without this step in memory offers it as missing and its buddy logs the skip.
         self.replicator.replicate(self.session.run, step)
@@ -258,15 +282,46 @@ class RankMemory:
 
     # -- closing --------------------------------------------------------------------------
     def _event(self, event: str, **fields: Any) -> None:
-        """A mem-tier event of this rank's own copy (written by the coordinator only)."""
-        if self.session.scope.coordinator:
-            self.session.event(event, rank=0, **fields)
+        """A mem-tier or replication event of this rank, written by this rank into the run's
+        event log and tagged with its rank (one O_APPEND line, or one object on an object
+        store: ranks never overwrite each other's); never breaks training."""
+        with contextlib.suppress(OSError):
+            log_event(self.session.store, self.session.run, event, rank=self.rank, **fields)
+
+    # -- replication state ------------------------------------------------------------------
+    def wait_replicated(self) -> list[dict[str, Any]]:
+        """Collective: wait until this rank's queued replications are done, then gather
+        every rank's replica state (:meth:`Replicator.status`), kept for ``stats()``."""
+        self.replicator.wait()
+        self.replica_status = self.replicator.status()
+        return self.replica_status
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's replication state (no collective): its buddy, the replications
+        still queued, the newest replica it holds for its source rank, and every rank's
+        state as of the last ``wait(replicated=True)``."""
+        rep = self.replicator
+        return {
+            "rank": self.rank,
+            "buddy": rep.buddy,
+            "no_buddy": rep.no_buddy,
+            "source": rep.source,
+            "pending": rep.pending,
+            "received": rep.last_received,
+            "ranks": self.replica_status,
+        }
 
     def close(self) -> None:
         """Collective: finish replication; remove this rank's mem tier and its replicas
         only when every rank's newest mem checkpoint is on disk or older than the newest
         on disk (else they are kept: they hold the only copy, and a ``mem_kept`` event
         says so)."""
+        try:
+            self._close()
+        finally:
+            self.replicator.release()  # the replication group is destroyed, never left to exit
+
+    def _close(self) -> None:
         self.replicator.wait()
         steps = self.tier.steps()
         disk = set(self.session.store.list_steps(self.session.run))
