@@ -52,13 +52,21 @@ class OpenedCheckpoint:
 
 
 def open_checkpoint(
-    store: Store, run: str, step: int, *, workers: int | None = None
+    store: Store, run: str, step: int, *, workers: int | None = None, verify: str = "fast"
 ) -> OpenedCheckpoint:
-    """Parse ``run@step``'s manifest (checksum verified) and open a reader over it."""
-    from ..engine import CheckpointReader
+    """Parse ``run@step``'s manifest (checksum verified) and open a reader over it.
 
+    ``verify``: ``"fast"`` checks objects with their segment checksums where recorded,
+    ``"full"`` with BLAKE3; a signed checkpoint is always read ``"full"`` (its signature
+    covers BLAKE3 names; a non-cryptographic checksum could be forged to match)."""
+    from ..engine import CheckpointReader
+    from ..engine.reader import check_verify_mode
+
+    mode = check_verify_mode(verify)
     manifest = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
-    reader = CheckpointReader(store, manifest, workers=workers)
+    if mode == "fast" and _is_signed(store, run, step):
+        mode = "full"
+    reader = CheckpointReader(store, manifest, workers=workers, verify=mode)
 
     def stand_in(kind: str, name: str) -> Any:
         entry = manifest.tensors.get(name)
@@ -67,6 +75,15 @@ def open_checkpoint(
         return reader.meta(name)
 
     return OpenedCheckpoint(store, manifest, reader, decode_value(manifest.state, stand_in))
+
+
+def _is_signed(store: Store, run: str, step: int) -> bool:
+    """Whether ``run@step`` has a signature record (unreadable counts as signed: the
+    careful reading)."""
+    try:
+        return store.backend.exists(store.signature_key(run, step))
+    except OSError:
+        return True
 
 
 def open_vault(root: str | os.PathLike[str] | Store) -> Vault:

@@ -133,10 +133,13 @@ class RestorePlanner:
         *,
         workers: int | None = None,
         progress: ProgressFn | None = None,
+        verify: str = "fast",
     ) -> None:
         self.store = store
         self.run = run
         self.workers = workers
+        #: "fast" (segment checksums where recorded) or "full" (BLAKE3 of every object)
+        self.verify = verify
         #: ``progress(done, total)`` while a candidate's objects are fetched and verified
         self.progress = progress
         self._opened: dict[int, OpenedCheckpoint] = {}
@@ -146,7 +149,7 @@ class RestorePlanner:
         opened = self._opened.get(step)
         if opened is None:
             opened = self._opened[step] = open_checkpoint(
-                self.store, self.run, step, workers=self.workers
+                self.store, self.run, step, workers=self.workers, verify=self.verify
             )
         return opened
 
@@ -192,7 +195,7 @@ class RestorePlanner:
             prepared = None
             try:
                 opened = self._opened.pop(candidate, None) or open_checkpoint(
-                    self.store, self.run, candidate, workers=self.workers
+                    self.store, self.run, candidate, workers=self.workers, verify=self.verify
                 )
                 if opened.manifest.kind == "light":
                     if not light or seen_full:
@@ -284,16 +287,20 @@ def restore_local(
     workers: int | None = None,
     progress: bool | ProgressFn | None = None,
     on_sharded: Callable[[int], None] | None = None,
+    verify: str = "fast",
 ) -> RestoreInfo:
     """Restore the first of ``chosen`` that fits and verifies, in this process.
 
     A checkpoint written by several ranks (the newest candidate's manifest says so) is
     handed to :func:`restore_offer` with that manifest, parsed once; ``on_sharded(step)``
-    may refuse it first (a rank-local manager, ``assign=True``).
+    may refuse it first (a rank-local manager, ``assign=True``). ``verify``: how objects
+    are checked, ``"fast"`` or ``"full"`` (:class:`RestorePlanner`).
     """
     if not chosen.steps:
         raise NoValidCheckpointError(f"run {source.run!r} has no checkpoint to restore")
-    planner = RestorePlanner(source.store, source.run, workers=source.reader_workers(workers))
+    planner = RestorePlanner(
+        source.store, source.run, workers=source.reader_workers(workers), verify=verify
+    )
     first = chosen.steps[0]
     if planner.is_sharded(first):
         if on_sharded is not None:

@@ -1,9 +1,17 @@
 """The read path: plan → fetch → verify → decode → place.
 
-Every object is hashed after decoding and compared with its name before any byte of it is
-used; raw objects on local disk are memory-mapped, so a tensor that lives in one object
-is a zero-copy view. Tensors handed out never alias each other, even when deduplication
-made two of them share one object.
+Every object is verified after decoding before any byte of it is used: by its segment
+checksums (xxh3-128, recorded at save; ``verify="fast"``, the default) or by re-hashing
+it with BLAKE3 and comparing with its name (``verify="full"``, and objects written
+without checksums). A partial read (one tensor) verifies only the segments it uses. Raw
+objects on local disk are memory-mapped, so a tensor that lives in one object is a
+zero-copy view. Tensors handed out never alias each other, even when deduplication made
+two of them share one object.
+
+A whole-checkpoint read (:meth:`CheckpointReader.prefetch`) is a pipeline: reader threads
+fetch the next objects (a local object is mapped with a kernel read-ahead; a remote one
+is downloaded) while the verifier threads check the ones already fetched, with at most
+``read_ahead`` bytes fetched and not yet verified.
 """
 
 from __future__ import annotations
@@ -11,8 +19,8 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -21,7 +29,7 @@ from ..format.dtypes import dtype_info
 from ..format.encoding import torch_dtype, torch_dtype_name
 from ..format.hashing import one_thread_per_hash
 from ..format.manifest import Manifest, TensorEntry
-from ..format.objects import decode_object
+from ..format.objects import ObjectHeader, decode_object, parse_header
 from ..format.xor_codec import MAX_CHAIN
 from ..store import Store
 from .copying import parallel_copy
@@ -35,17 +43,34 @@ if TYPE_CHECKING:
 # listing and inspecting a store reads manifests through this module without torch.
 
 
-def fetch_object(
-    store: Store, digest: str, *, verify: bool = True, max_chain: int = MAX_CHAIN
-) -> memoryview:
-    """Decoded, verified bytes of one object (a private copy-on-write map when raw on disk).
+#: How a read verifies objects: ``"fast"`` with their segment checksums where recorded
+#: (BLAKE3 otherwise), ``"full"`` always with BLAKE3 (signed checkpoints, ``verify --deep``).
+VerifyMode = Literal["fast", "full"]
+VERIFY_MODES = ("fast", "full")
 
-    A delta object's base is fetched from ``store`` too (through a tier view: from any
-    tier), verified, with a chain at most ``max_chain`` links long."""
+#: Bytes a whole-checkpoint read fetches ahead of verification (memory for remote objects,
+#: page cache for mapped local ones).
+DEFAULT_READ_AHEAD = 512 << 20
+
+
+def check_verify_mode(verify: str) -> VerifyMode:
+    """``verify`` if it is a known mode, else a ValueError naming the choices."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(
+            f"verify={verify!r}: use 'fast' (segment checksums where recorded, the default) "
+            "or 'full' (BLAKE3 of every byte)"
+        )
+    return verify  # type: ignore[return-value]
+
+
+def read_object_bytes(store: Store, digest: str) -> memoryview | bytes:
+    """The stored (encoded) bytes of one object: a private map on local disk (the kernel
+    reads it ahead), else the downloaded bytes. Errors are store errors of the object."""
     try:
         buf: memoryview | bytes | None = store.map_object(digest)
         if buf is None:
             buf = store.read_object(digest)
+        return buf
     except FileNotFoundError:
         raise MissingObjectError(
             f"object {digest[:16]}… is missing from {store.backend.url}"
@@ -56,9 +81,33 @@ def fetch_object(
         err = CorruptObjectError(f"object {digest[:16]}… cannot be read safely: {exc}")
         err.digest = digest
         raise err from None
+
+
+def fetch_object(
+    store: Store,
+    digest: str,
+    *,
+    verify: bool = True,
+    max_chain: int = MAX_CHAIN,
+    fast: bool = False,
+    buf: memoryview | bytes | None = None,
+) -> memoryview:
+    """Decoded, verified bytes of one object (a private copy-on-write map when raw on disk).
+
+    ``fast``: verify with the object's segment checksums where it has them (BLAKE3
+    otherwise); ``buf``: its stored bytes, already read (:func:`read_object_bytes`). A
+    delta object's base is fetched from ``store`` too (through a tier view: from any
+    tier), verified, with a chain at most ``max_chain`` links long."""
+    if buf is None:
+        buf = read_object_bytes(store, digest)
     try:
         raw = decode_object(
-            buf, digest, verify=verify, base=base_reader(store), max_chain=max_chain
+            buf,
+            digest,
+            verify=verify,
+            base=base_reader(store, fast=fast),
+            max_chain=max_chain,
+            fast=fast,
         )
     except CorruptObjectError as exc:
         if exc.digest is None:  # a damaged base keeps its own name: that one is set aside
@@ -69,9 +118,50 @@ def fetch_object(
     return raw
 
 
-def base_reader(store: Store) -> Callable[[str, int], memoryview]:
+def base_reader(store: Store, *, fast: bool = False) -> Callable[[str, int], memoryview]:
     """Reads delta bases from ``store`` (for :func:`~stepvault.format.objects.decode_object`)."""
-    return lambda digest, max_chain: fetch_object(store, digest, max_chain=max_chain)
+    return lambda digest, max_chain: fetch_object(store, digest, max_chain=max_chain, fast=fast)
+
+
+class _ByteBudget:
+    """At most ``limit`` bytes taken at once (one item of any size when none is taken);
+    :meth:`stop` wakes every waiter for good (a failed read ends the pipeline)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+        self.stopped = False
+        self._cond = threading.Condition()
+
+    def take(self, n: int) -> bool:
+        with self._cond:
+            while not self.stopped and self.taken and self.taken + n > self.limit:
+                self._cond.wait()
+            if self.stopped:
+                return False
+            self.taken += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self.taken -= n
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self.stopped = True
+            self._cond.notify_all()
+
+
+class _Partial:
+    """A raw object mapped but not verified whole: the segments verified so far."""
+
+    __slots__ = ("header", "raw", "verified")
+
+    def __init__(self, header: ObjectHeader, raw: memoryview) -> None:
+        self.header = header
+        self.raw = raw
+        self.verified: set[int] = set()
 
 
 def is_mapped(view: memoryview) -> bool:
@@ -96,21 +186,43 @@ class PendingArray:
 class CheckpointReader:
     """Reads tensors of one committed checkpoint, lazily or all at once."""
 
-    def __init__(self, store: Store, manifest: Manifest, *, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        manifest: Manifest,
+        *,
+        workers: int | None = None,
+        verify: VerifyMode = "fast",
+        read_ahead: int = DEFAULT_READ_AHEAD,
+    ) -> None:
         self.store = store
         self.manifest = manifest
         self.workers = workers or default_workers()
+        #: "fast": segment checksums where recorded; "full": BLAKE3 of every object
+        self.verify = check_verify_mode(verify)
+        #: bytes fetched ahead of verification in :meth:`prefetch`
+        self.read_ahead = read_ahead
         self._objects: dict[str, memoryview] = {}
+        self._partial: dict[str, _Partial | None] = {}
         self._handed_out: set[tuple[str, int, int]] = set()
         self._lock = threading.Lock()
+
+    @property
+    def fast(self) -> bool:
+        return self.verify == "fast"
 
     def prefetch(
         self,
         digests: Iterable[str],
         progress: Callable[[int, int | None], None] | None = None,
     ) -> None:
-        """Fetch and verify objects in parallel (raises on the first damaged one);
-        ``progress(done, total)`` gets the stored bytes fetched so far."""
+        """Fetch and verify objects, pipelined (raises on the first damaged one);
+        ``progress(done, total)`` gets the stored bytes verified so far.
+
+        Reader threads fetch objects in order, at most :attr:`read_ahead` bytes ahead of
+        the verifier threads, which check each one as soon as it is there: the reads of
+        the next objects overlap the verification of the current ones (a cold restore is
+        bound by the storage, not by read + verify one after the other)."""
         todo = [d for d in dict.fromkeys(digests) if d not in self._objects]
         if not todo:
             return
@@ -119,28 +231,123 @@ class CheckpointReader:
         # With at least one object per thread the pool keeps every core busy; BLAKE3's own
         # threads are for fewer, larger objects.
         spread = len(todo) >= self.workers
+        budget = _ByteBudget(self.read_ahead)
 
-        def fetch(digest: str) -> memoryview:
-            if not spread:
-                return fetch_object(self.store, digest)
-            with one_thread_per_hash():
-                return fetch_object(self.store, digest)
+        def read(digest: str) -> memoryview | bytes | None:
+            if not budget.take(sizes.get(digest, 0)):
+                return None  # the pipeline stopped (an earlier object failed)
+            return read_object_bytes(self.store, digest)
 
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            for digest, raw in zip(todo, pool.map(fetch, todo)):
-                self._objects[digest] = raw
-                if progress is not None:
-                    done += sizes.get(digest, 0)
-                    progress(done, total)
+        def verify(digest: str, fetched: Future[memoryview | bytes | None]) -> memoryview:
+            try:
+                buf = fetched.result()
+                if buf is None:
+                    raise CorruptObjectError("the read pipeline stopped")
+                if not spread:
+                    return fetch_object(self.store, digest, fast=self.fast, buf=buf)
+                with one_thread_per_hash():
+                    return fetch_object(self.store, digest, fast=self.fast, buf=buf)
+            finally:
+                budget.give(sizes.get(digest, 0))
+
+        # Reads wait on the device (or the network), not on a core: more of them than
+        # verifier threads keeps the storage busy.
+        readers = ThreadPoolExecutor(max_workers=max(4, 2 * self.workers))
+        try:
+            with ThreadPoolExecutor(max_workers=self.workers) as pool:
+                reads = [readers.submit(read, d) for d in todo]
+                checks = [pool.submit(verify, d, f) for d, f in zip(todo, reads)]
+                for digest, check in zip(todo, checks):
+                    try:
+                        raw = check.result()
+                    except BaseException:
+                        budget.stop()
+                        for c in checks:
+                            c.cancel()
+                        raise
+                    self._objects[digest] = raw
+                    self._partial.pop(digest, None)
+                    if progress is not None:
+                        done += sizes.get(digest, 0)
+                        progress(done, total)
+        finally:
+            budget.stop()
+            readers.shutdown(wait=True, cancel_futures=True)
 
     def _object(self, digest: str) -> memoryview:
         raw = self._objects.get(digest)
         if raw is None:
-            raw = self._objects[digest] = fetch_object(self.store, digest)
+            raw = self._objects[digest] = fetch_object(self.store, digest, fast=self.fast)
         return raw
 
+    def _piece(self, digest: str, off: int, length: int) -> memoryview:
+        """Verified bytes ``off .. off+length`` of an object's decoded content.
+
+        An object verified whole is sliced; otherwise a raw, mapped object with segment
+        checksums has only the segments covering the piece verified (a partial read, e.g.
+        one tensor of a bundle), anything else is fetched and verified whole."""
+        raw = self._objects.get(digest)
+        if raw is None and self.fast:
+            partial = self._partial_object(digest)
+            if partial is not None:
+                return self._check_piece(digest, partial, off, length)
+        return self._object(digest)[off : off + length]
+
+    def _partial_object(self, digest: str) -> _Partial | None:
+        if digest in self._partial:
+            return self._partial[digest]
+        found: _Partial | None = None
+        try:
+            mapped = self.store.map_object(digest)  # None where the backend cannot map
+        except OSError:
+            mapped = None  # missing or unreadable: the whole-object fetch says which
+        if mapped is not None:
+            try:
+                header = parse_header(mapped)
+            except CorruptObjectError as exc:
+                exc.digest = digest
+                raise
+            if header.codec == "raw" and header.sums is not None and header.sums.usable():
+                if header.raw_blake3 != digest:
+                    err = CorruptObjectError(
+                        f"object {digest[:16]}… header names a different hash "
+                        f"({header.raw_blake3[:16]}…)"
+                    )
+                    err.digest = digest
+                    raise err
+                if len(mapped) != header.payload_offset + header.raw_size:
+                    err = CorruptObjectError(
+                        f"object {digest[:16]}…: {len(mapped)} bytes stored, the header "
+                        f"says {header.payload_offset + header.raw_size} (truncated or damaged)"
+                    )
+                    err.digest = digest
+                    raise err
+                found = _Partial(header, memoryview(mapped)[header.payload_offset :])
+        with self._lock:
+            self._partial[digest] = found
+        return found
+
+    def _check_piece(self, digest: str, partial: _Partial, off: int, length: int) -> memoryview:
+        from ..format.hashing import check_segments
+
+        sums = partial.header.sums
+        assert sums is not None
+        wanted = [i for i in sums.segments(off, length) if i not in partial.verified]
+        if wanted:
+            bad = check_segments(partial.raw, sums.hex, sums.segment, wanted[0], wanted[-1])
+            if bad is not None:
+                err = CorruptObjectError(
+                    f"object {digest[:16]}… content does not match its checksum at "
+                    f"segment {bad} (bit rot or tampering)"
+                )
+                err.digest = digest
+                raise err
+            with self._lock:
+                partial.verified.update(wanted)
+        return partial.raw[off : off + length]
+
     def _range(self, digest: str, off: int, length: int) -> memoryview:
-        view = self._object(digest)[off : off + length]
+        view = self._piece(digest, off, length)
         if view.nbytes != length:
             raise CorruptObjectError(f"object {digest[:16]}… is shorter than the manifest says")
         key = (digest, off, length)
@@ -210,7 +417,7 @@ class CheckpointReader:
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         with torch.no_grad():
             for digest, off, length in entry.chunks:
-                src = self._object(digest)[off : off + length]
+                src = self._piece(digest, off, length)
                 if src.nbytes != length:
                     raise CorruptObjectError(f"object {digest[:16]}… is shorter than expected")
                 if host is not None:
@@ -277,7 +484,7 @@ class CheckpointReader:
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         at = 0
         for digest, off, length in entry.chunks:
-            src = self._object(digest)[off : off + length]
+            src = self._piece(digest, off, length)
             if src.nbytes != length:
                 raise CorruptObjectError(f"object {digest[:16]}… is shorter than expected")
             pairs.append((buf[at : at + length], np.frombuffer(src, dtype=np.uint8)))
@@ -315,3 +522,4 @@ class CheckpointReader:
     def release(self) -> None:
         """Drop cached objects (the tensors already handed out stay valid)."""
         self._objects.clear()
+        self._partial.clear()

@@ -25,6 +25,7 @@ from ..catalog.commit import object_entry, read_header
 from ..engine import fetch_object
 from ..errors import StepvaultError
 from ..format import parse_manifest
+from ..format.hashing import segment_sums
 from ..format.manifest import Manifest, ObjectEntry
 from ..format.objects import EncodedObject, frame_object
 from ..format.xor_codec import XOR_ID, chain_of, encode_xor
@@ -101,7 +102,8 @@ class DeltaCopy:
         if base_raw is None or base_raw.nbytes != raw.nbytes:
             return plain
         parts, params = encode_xor(raw, base_raw, chain, dtype)
-        delta = frame_object(digest, XOR_ID, raw.nbytes, params, parts)
+        sums = segment_sums(raw)  # a delta is verified on read as cheaply as a plain object
+        delta = frame_object(digest, XOR_ID, raw.nbytes, params, parts, sums=sums)
         if delta.size >= plain.size:
             return plain
         self._mark()
