@@ -67,10 +67,18 @@ def _every_page(trained: Path) -> list[str]:
     ]
 
 
+#: a damaged checkpoint's page is answered, with the way out, as 422 (not a page that worked)
+DAMAGED_PAGE = f"/runs/{BROKEN}/checkpoints/20"
+
+
+def _expected(url: str) -> int:
+    return 422 if url == DAMAGED_PAGE else 200
+
+
 def test_every_page_and_endpoint_answers(client, trained):
     for url in _every_page(trained):
         r = client.get(url)
-        assert r.status_code == 200, (url, r.text[:300])
+        assert r.status_code == _expected(url), (url, r.text[:300])
         assert r.headers["x-frame-options"] == "DENY"
         assert "default-src 'self'" in r.headers["content-security-policy"]
 
@@ -100,7 +108,13 @@ def test_run_page_marks_pinned_registered_best_and_saves(client, trained):
     best_val = min((c for c in cps.values()), key=lambda c: c["metrics"]["val_loss"])
     assert "val_loss" in best_val["best"]
     assert "val_accuracy" in doc["metrics"]  # the annotation's metric is a curve too
-    assert [p[0] for p in doc["metrics"]["loss"]] == sorted(cps)
+    # the curve is the run's whole history: every save, deleted checkpoints included
+    saved = list(range(EVERY, STEPS + 1, EVERY))
+    assert [p[0] for p in doc["metrics"]["loss"]] == saved
+    assert doc["deleted_steps"] == sorted(set(saved) - set(cps))
+    # "best" is what the run declared (its KeepBest on val_loss), never guessed by name
+    assert doc["best_modes"] == {"val_loss": "min"}
+    assert not any(c["best"] for c in cps.values() if c["best"] != ["val_loss"])
     # every save of the training run is in the per-save statistics, deleted ones included
     assert [s["step"] for s in doc["saves"]] == list(range(EVERY, STEPS + 1, EVERY))
     assert all(s["stall_seconds"] > 0 and s["throughput_bytes_per_s"] > 0 for s in doc["saves"])
@@ -140,8 +154,9 @@ def test_checkpoint_page_tensors_changes_lineage_and_commands(client, trained):
     assert doc["verify"]["ok"] and doc["signature"] is None
     assert doc["lineage"]["lineage"]["code"]["git_commit"]
     assert f"export {RUN}@{steps[-1]}" in doc["commands"]["export"]
-    damaged = client.get(f"/runs/{BROKEN}/checkpoints/20")
-    assert damaged.status_code == 200 and "DAMAGED" in damaged.text
+    damaged = client.get(DAMAGED_PAGE)
+    assert damaged.status_code == 422 and "DAMAGED" in damaged.text
+    assert f"repair {BROKEN}" in damaged.text and f"verify {BROKEN}@20 --deep" in damaged.text
 
 
 def test_registry_and_events_pages(client):
@@ -223,7 +238,7 @@ def test_browsing_every_page_writes_nothing(trained):
     before = tree_state(trained)
     client = TestClient(create_app(str(trained)), base_url=BASE)
     for url in _every_page(trained):
-        assert client.get(url).status_code == 200
+        assert client.get(url).status_code == _expected(url)
     assert client.post("/api/actions/pin", json={"run": RUN, "step": STEPS}).status_code == 403
     assert tree_state(trained) == before
 

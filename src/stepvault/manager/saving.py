@@ -56,6 +56,19 @@ class SaveRequest:
     attachments: Mapping[str, Any] | None = None
 
 
+def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """The finite numbers of ``metrics`` as floats (0-d tensors and numpy scalars too)."""
+    out: dict[str, float] = {}
+    for name, value in (metrics or {}).items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+        if math.isfinite(number):
+            out[str(name)] = number
+    return out
+
+
 @dataclass
 class Staged:
     """A save past its training-thread part: the stall it cost and the rest to run."""
@@ -248,6 +261,19 @@ class SavePipeline:
         self.writer = writer
         self.bg = background
         self.hooks = hooks
+        # The run's own retention settings, carried by every save event: the dashboard's
+        # preview and "best" marks follow what the run was configured with.
+        from .hooks import Retention  # (hooks imports the session, never this module)
+
+        keep = next((h for h in hooks if isinstance(h, Retention)), None)
+        self._policy_fields: dict[str, Any] = (
+            {}
+            if keep is None
+            else {
+                "keep": repr(keep.keep) if keep.keep is not None else None,
+                "best": [[metric, mode] for metric, mode in keep.best],
+            }
+        )
 
     def wait(self) -> SaveInfo | None:
         """Block until the save in flight (if any) is committed; its error is raised (or
@@ -294,6 +320,9 @@ class SavePipeline:
 
         def job() -> SaveInfo:
             info, fields = staged.commit()
+            # the metrics outlive the checkpoint (retention): a run's curves are drawn
+            # from its save events
+            fields = {"metrics": _plain_metrics(request.metrics), **fields}
             self._committed(info, decision, staged, fields)
             return info
 
@@ -336,6 +365,7 @@ class SavePipeline:
             new_bytes=info.new_bytes,
             stall_seconds=staged.stall,
             write_seconds=info.seconds,
+            **self._policy_fields,
             **fields,
         )
         for hook in self.hooks:

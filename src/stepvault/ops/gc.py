@@ -63,6 +63,23 @@ def _as_if_applied(store: Store, run: str, plan: RetentionPlan) -> AsIf:
     return after
 
 
+def plan_gc(store: Store, run: str, keep: KeepPolicy, *, now: float | None = None) -> RetentionPlan:
+    """The retention plan ``stepvault gc RUN --keep-... --dry-run`` prints: ``keep``
+    applied (deleting nothing) to the checkpoints of ``run`` in ``store`` itself (the hot
+    store: a checkpoint only in a cold tier is not gc's to delete), with reader and
+    registry holds named. The dashboard's preview calls this very function."""
+    return apply_retention(
+        store,
+        run,
+        keep,
+        checkpoint_records(store, run),
+        dry_run=True,
+        sweep_objects=False,
+        by="gc",
+        now=now,
+    ).plan
+
+
 def collect_garbage(
     store: Store,
     *,
@@ -86,16 +103,20 @@ def collect_garbage(
             raise ValueError("a keep policy applies to one run: name the run")
         leases = []
         try:
-            plan = apply_retention(
-                store,
-                run,
-                keep,
-                checkpoint_records(store, run),
-                dry_run=dry_run,
-                sweep_objects=False,
-                by="gc",
-                before_delete=lambda: leases.append(acquire_lease(store, run)),
-            ).plan
+            plan = (
+                plan_gc(store, run, keep)
+                if dry_run
+                else apply_retention(
+                    store,
+                    run,
+                    keep,
+                    checkpoint_records(store, run),
+                    dry_run=dry_run,
+                    sweep_objects=False,
+                    by="gc",
+                    before_delete=lambda: leases.append(acquire_lease(store, run)),
+                ).plan
+            )
         finally:
             for lease in leases:
                 lease.release()

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..catalog.annotations import write_annotation
-from ..catalog.events import log_event
+from ..catalog.events import log_event, read_events
 from ..errors import InvalidNameError
 from ..registry import Registry
 from ..store import Store, validate_run_name
-from .data import keep_policy_from, parse_step
+from .data import keep_policy_from, parse_step, run_settings
 
 ACTION_HEADER = "x-stepvault-action"
 
@@ -81,6 +81,12 @@ def gc_preview(store: Store, body: dict[str, Any]) -> dict[str, Any]:
     run = validate_run_name(str(body.get("run", "")))
     params = {k: str(v) for k, v in body.items() if k != "run"}
     keep = keep_policy_from(params)
+    if keep is None:  # no rules typed: the run's own keep policy, as the preview shows
+        configured = run_settings(read_events(store, run))["keep"]
+        if configured:
+            from ..planning.policies import parse_policy
+
+            keep = parse_policy(configured, "--keep")
     result = collect_garbage(store, run=run, keep=keep, dry_run=True)
     return result.to_json()
 

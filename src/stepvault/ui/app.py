@@ -16,21 +16,25 @@ URL parts reach the store only through its validators (run names, steps).
 from __future__ import annotations
 
 import asyncio
-import functools
+import datetime as _dt
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from blake3 import blake3
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from .._units import format_time, human_bytes
+from .._units import human_bytes
 from ..errors import CheckpointNotFoundError, InvalidNameError, RegistryError, StepvaultError
 from . import data
 from .actions import ACTION_HEADER, ACTIONS
@@ -39,21 +43,72 @@ from .security import GuardMiddleware
 HERE = Path(__file__).resolve().parent
 #: Seconds between two polls of /api/changes by an open page.
 DEFAULT_REFRESH = 2.0
-#: Rows of the run page's checkpoint table (newest first); the charts and the JSON have all.
-RUN_TABLE_ROWS = 200
+#: Rows of the run page's checkpoint table per page (newest first); the charts have all.
+RUN_TABLE_ROWS = data.TABLE_ROWS
 #: Page results kept in memory (each valid until the store changes).
 MEMO_ENTRIES = 64
 #: Seconds a page result is reused at most, even when the store's change token is the same.
 MEMO_SECONDS = 30.0
 
 
+def _when(ts: Any) -> Markup:
+    """A POSIX time as local ``YYYY-MM-DD HH:MM:SS ZONE`` (the page's script rewrites it in
+    the browser's own zone, as the header clock shows it)."""
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not ts:
+        return Markup("")
+    text = _dt.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+    return Markup('<time data-ts="{}">{}</time>').format(float(ts), text)
+
+
+def _signed_bytes(n: Any) -> str:
+    return "" if n is None else ("-" + human_bytes(-n) if n < 0 else human_bytes(n))
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, int | float) or seconds < 0:
+        return ""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _flatten(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """Nested dicts as ``(dotted key, value)`` rows: lineage and environment as tables."""
+    if isinstance(value, dict):
+        rows: list[tuple[str, str]] = []
+        for k in sorted(value, key=str):
+            rows += _flatten(value[k], f"{prefix}.{k}" if prefix else str(k))
+        return rows
+    if isinstance(value, list) and all(not isinstance(v, dict | list) for v in value):
+        return [(prefix, ", ".join(map(str, value)))]
+    if isinstance(value, list):
+        return [r for i, v in enumerate(value) for r in _flatten(v, f"{prefix}[{i}]")]
+    return [(prefix, "" if value is None else str(value))]
+
+
+def _static_version() -> str:
+    """A digest of the static files: their URLs carry it, so they are cached for good and
+    an upgrade still loads the new ones."""
+    h = blake3()
+    for path in sorted((HERE / "static").rglob("*")):
+        if path.is_file():
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _templates() -> Jinja2Templates:
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     env = templates.env
     env.filters["bytes"] = human_bytes
-    env.filters["when"] = functools.partial(format_time, missing="")
-    env.filters["num"] = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else v)
+    env.filters["sbytes"] = _signed_bytes
+    env.filters["when"] = _when
+    env.filters["duration"] = _duration
+    env.filters["rows"] = _flatten
+    env.filters["num"] = lambda v: "" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
     env.globals["json"] = lambda v: json.dumps(v, sort_keys=True, default=str)
+    env.globals["static_version"] = _static_version()
     return templates
 
 
@@ -69,7 +124,12 @@ class Dashboard:
         self.refresh_seconds = refresh_seconds
         self.templates = _templates()
         self._cache: dict[tuple[str, str], tuple[str, float, Any]] = {}
-        self.reader.view()  # fail at start, not on the first page, when there is no store
+        # Fail at start, not on the first page, when there is no store; this also starts
+        # the background probe of the cold tiers (a page never waits for one).
+        self.reader.view()
+        # The retention preview's first call imports the catalog's record readers (torch):
+        # done now, in the background, instead of on the first click.
+        threading.Thread(target=_warm_up, name="ui-warm-up", daemon=True).start()
 
     # -- helpers -------------------------------------------------------------------------
     async def _call(self, fn: Any, *args: Any) -> Any:
@@ -97,11 +157,14 @@ class Dashboard:
         self._cache[key] = (token, started, doc)
         return doc
 
-    def _page(self, request: Request, template: str, title: str, **context: Any) -> Response:
+    def _page(
+        self, request: Request, template: str, title: str, status: int = 200, **context: Any
+    ) -> Response:
         return self.templates.TemplateResponse(
             request,
             template,
-            {
+            status_code=status,
+            context={
                 "title": title,
                 "refresh": self.refresh_seconds,
                 "allow_actions": self.allow_actions,
@@ -118,12 +181,18 @@ class Dashboard:
     async def run_page(self, request: Request) -> Response:
         run = request.path_params["run"]
         doc = await self._call(data.run_detail, self.reader, run)
+        page_text = request.query_params.get("page", "0")
+        step_text = request.query_params.get("step", "").strip()
+        page = data.parse_step(page_text) if page_text else 0
+        step = data.parse_step(step_text) if step_text else None
+        table = data.table_page(doc["checkpoints"], page, step)
         return self._page(
             request,
             "run.html",
             f"run {run}",
             doc=doc,
             params=request.query_params,
+            table=table,
             table_rows=RUN_TABLE_ROWS,
         )
 
@@ -131,33 +200,47 @@ class Dashboard:
         run = request.path_params["run"]
         step = data.parse_step(request.path_params["step"])
         doc = await self._call(data.checkpoint_detail, self.reader, run, step)
-        return self._page(request, "checkpoint.html", f"{run}@{step}", doc=doc)
+        # A damaged checkpoint is not a page that worked: 422 with the way out on it.
+        status = 422 if doc.get("error") else 200
+        return self._page(request, "checkpoint.html", f"{run}@{step}", status=status, doc=doc)
 
     async def registry_page(self, request: Request) -> Response:
         doc = await self._call(data.registry_overview, self.reader)
         return self._page(request, "registry.html", "registry", doc=doc)
 
     async def events_page(self, request: Request) -> Response:
-        run, kind = self._event_filter(request)
-        doc = await self._call(data.events_page, self.reader, run, kind)
+        run, kind, offset = self._event_filter(request)
+        doc = await self._call(data.events_page, self.reader, run, kind, data.EVENTS_LIMIT, offset)
         return self._page(request, "events.html", "events", doc=doc)
 
     @staticmethod
-    def _event_filter(request: Request) -> tuple[str | None, str | None]:
+    def _event_filter(request: Request) -> tuple[str | None, str | None, int]:
         run = request.query_params.get("run") or None
         kind = request.query_params.get("kind") or None
         if kind is not None and (len(kind) > 64 or not kind.replace("_", "").isalnum()):
             raise InvalidNameError(f"bad event kind {kind[:40]!r}")
-        return run, kind
+        offset_text = request.query_params.get("offset", "")
+        offset = data.parse_step(offset_text) if offset_text else 0
+        return run, kind, offset
 
     # -- JSON ----------------------------------------------------------------------------
     async def api_store(self, request: Request) -> Response:
         return JSONResponse(await self._call(data.store_overview, self.reader))
 
     async def api_run(self, request: Request) -> Response:
-        return JSONResponse(
-            await self._call(data.run_detail, self.reader, request.path_params["run"])
-        )
+        """The run's data; with ``?since=CURSOR`` (the ``cursor`` of the data a page has)
+        only what changed since: a live page's update is a few hundred bytes per save."""
+        run = request.path_params["run"]
+        since = request.query_params.get("since")
+        if since is None:
+            return JSONResponse(await self._call(data.run_detail, self.reader, run))
+        state = await self._call(data.run_state, self.reader, run)
+        return JSONResponse(data.run_delta(state, since))
+
+    async def api_runs(self, request: Request) -> Response:
+        """The names of the runs (listings only): the run page's "compare with" menu."""
+        view = await asyncio.to_thread(self.reader.view)
+        return JSONResponse({"runs": await asyncio.to_thread(view.list_runs)})
 
     async def api_retention(self, request: Request) -> Response:
         params = dict(request.query_params)
@@ -177,8 +260,9 @@ class Dashboard:
         return JSONResponse(await self._call(data.registry_overview, self.reader))
 
     async def api_events(self, request: Request) -> Response:
-        run, kind = self._event_filter(request)
-        return JSONResponse(await self._call(data.events_page, self.reader, run, kind))
+        run, kind, offset = self._event_filter(request)
+        doc = await self._call(data.events_page, self.reader, run, kind, data.EVENTS_LIMIT, offset)
+        return JSONResponse(doc)
 
     async def api_changes(self, request: Request) -> Response:
         return JSONResponse({"token": await self._call(data.change_token, self.reader)})
@@ -211,6 +295,7 @@ class Dashboard:
             Route("/registry", self.registry_page),
             Route("/events", self.events_page),
             Route("/api/store", self.api_store),
+            Route("/api/runs", self.api_runs),
             Route("/api/runs/{run}", self.api_run),
             Route("/api/runs/{run}/retention", self.api_retention),
             Route("/api/runs/{run}/checkpoints/{step}", self.api_checkpoint),
@@ -221,25 +306,24 @@ class Dashboard:
             Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
         ]
 
+    def error_handler(self, status: int) -> Any:
+        """A JSON error under /api/, else the error in the dashboard's own page."""
 
-def _error_handler(status: int):
-    async def handle(request: Request, exc: Exception) -> Response:
-        message = str(exc)
-        if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": message}, status)
-        body = (
-            "<!doctype html><meta charset=utf-8><title>stepvault</title>"
-            f"<p>{_escape(message)}</p><p><a href='/'>store</a></p>"
-        )
-        return Response(body, status, media_type="text/html")
+        async def handle(request: Request, exc: Exception) -> Response:
+            message = str(exc)
+            if request.url.path.startswith("/api/"):
+                return JSONResponse({"error": message}, status)
+            title = "not found" if status == 404 else "bad request"
+            return self._page(request, "error.html", title, status=status, message=message)
 
-    return handle
+        return handle
 
 
-def _escape(text: str) -> str:
-    from html import escape
+def _warm_up() -> None:
+    import contextlib
 
-    return escape(text, quote=True)
+    with contextlib.suppress(Exception):
+        import stepvault.ops.gc  # noqa: F401
 
 
 def create_app(
@@ -258,15 +342,34 @@ def create_app(
     read-only and nothing is ever written.
     """
     dash = Dashboard(root, allow_actions=allow_actions, refresh_seconds=refresh_seconds)
-    bad_request, not_found = _error_handler(400), _error_handler(404)
+    bad_request, not_found = dash.error_handler(400), dash.error_handler(404)
+
+    async def missing(request: Request, exc: Exception) -> Response:
+        if getattr(exc, "status_code", 500) == 404:
+            return await not_found(request, exc if str(exc) != "Not Found" else _NoPage(request))
+        from starlette.exceptions import HTTPException
+
+        assert isinstance(exc, HTTPException)
+        return Response(exc.detail, exc.status_code, media_type="text/plain")
+
     return Starlette(
         routes=dash.routes(),
-        middleware=[Middleware(GuardMiddleware, token=token, loopback_only=loopback_only)],
+        middleware=[
+            Middleware(GuardMiddleware, token=token, loopback_only=loopback_only),
+            # A long run's JSON is mostly repeated keys and digits: ~10x smaller gzipped.
+            Middleware(GZipMiddleware, minimum_size=1024),
+        ],
         exception_handlers={
             InvalidNameError: bad_request,
             ValueError: bad_request,
             CheckpointNotFoundError: not_found,
             RegistryError: not_found,
             StepvaultError: bad_request,
+            404: missing,
         },
     )
+
+
+class _NoPage(Exception):
+    def __init__(self, request: Request) -> None:
+        super().__init__(f"no page at {request.url.path[:200]}")

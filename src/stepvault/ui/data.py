@@ -15,13 +15,15 @@ all over the same readers; the web app is in app.py.)
 from __future__ import annotations
 
 import contextlib
+import difflib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blake3 import blake3
 
+from ..catalog.annotations import manifest_id, merged_metrics, read_annotations
 from ..catalog.events import read_events
 from ..catalog.vault import Vault
 from ..errors import CheckpointNotFoundError, InvalidNameError, StepvaultError
@@ -30,34 +32,67 @@ from ..ops.usage import store_usage
 from ..ops.verify import verify_store
 from ..registry import Registry, lineage_report
 from ..store import Store, backend_for, validate_run_name, validate_step
-from ..tiers.view import TieredView, read_view
+from ..tiers.probe import TierProbe
+from ..tiers.view import TieredView
 from .readonly import ReadOnlyBackend
 
-#: Metric names whose best value is the largest (everything else: the smallest, like a loss).
-_MAX_HINTS = ("acc", "f1", "score", "auc", "bleu", "rouge", "map", "precision", "recall", "reward")
-#: Metrics that are settings, not scores: never marked "best".
-_NOT_RANKED = ("lr", "learning_rate", "epoch", "step", "grad_norm")
-#: The dashboard's events page shows at most this many (newest first).
+#: The dashboard's events page shows this many per page (newest first), with links back
+#: to the first.
 EVENTS_LIMIT = 1000
+#: Rows of the run page's checkpoint table per page (newest first).
+TABLE_ROWS = 200
+#: Longest list of steps a retention preview spells out; longer ones are ranges.
+PREVIEW_ENTRIES = 60
+#: Events that change what a run page shows of existing checkpoints (marks, tiers).
+_MARK_EVENTS = (
+    "pin",
+    "unpin",
+    "annotate",
+    "register",
+    "tier_copy",
+    "tier_evict",
+    "thin",
+    "quarantine",
+    "repair",
+    "hold",
+    "release",
+    "tracker_ref",
+)
 
 
 @dataclass
 class StoreReader:
-    """A store opened for the dashboard: read-only unless actions are allowed."""
+    """A store opened for the dashboard: read-only unless actions are allowed.
+
+    Its cold tiers are probed in the background (:class:`~stepvault.tiers.probe.TierProbe`):
+    a page reads only the tiers known to answer, so a dead archive costs one bounded probe
+    now and then, never a page's latency."""
 
     root: str
     writable: bool = False
+    probe: TierProbe = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.probe = TierProbe(wrap=None if self.writable else ReadOnlyBackend)
 
     def store(self) -> Store:
         """The store as written (for actions); reads go through :meth:`view`."""
         return Store.open(self.root)
 
-    def view(self) -> Store:
-        """A fresh read view (hot and cold tiers), opened on every request so that the
-        page shows what the store holds now; its backend refuses writes."""
+    def hot(self) -> Store:
+        """The hot store alone, read-only unless writable (what ``stepvault gc`` acts on)."""
         backend = backend_for(self.root)
-        store = Store.open(backend if self.writable else ReadOnlyBackend(backend))
-        return read_view(store)
+        return Store.open(backend if self.writable else ReadOnlyBackend(backend))
+
+    def view(self) -> Store:
+        """A fresh read view (the hot store and the cold tiers that answer), opened on every
+        request so that the page shows what the store holds now; its backend refuses
+        writes."""
+        return self.probe.view(self.hot())
+
+    def tier_states(self) -> dict[str, dict[str, Any]]:
+        """Each cold tier: ``state`` (reachable, unreachable, probing), ``since``, ``error``."""
+        return {n: s.to_json() for n, s in self.probe.refresh(self.hot()).items()}
 
     def vault(self) -> Vault:
         return Vault(self.view())
@@ -70,10 +105,22 @@ def parse_step(text: str) -> int:
     return validate_step(int(text))
 
 
-def best_mode(metric: str) -> str:
-    """``"max"`` for accuracy-like names, else ``"min"`` (a loss): how "best" is marked."""
-    name = metric.lower()
-    return "max" if any(h in name for h in _MAX_HINTS) else "min"
+def run_settings(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's own retention settings, from its newest save event that carries them (a
+    manager writes ``keep``, the repr of its keep policy, and ``best``, the
+    ``[metric, mode]`` pairs that "best" means for it): ``{"keep": str | None, "best":
+    {metric: mode}}``; empty when no manager recorded them (then no metric has a best)."""
+    for e in reversed(events):
+        if isinstance(e, dict) and e.get("event") == "save" and "best" in e:
+            best = e.get("best") or []
+            modes = {
+                str(p[0]): str(p[1])
+                for p in best
+                if isinstance(p, list) and len(p) == 2 and p[1] in ("min", "max")
+            }
+            keep = e.get("keep")
+            return {"keep": keep if isinstance(keep, str) else None, "best": modes}
+    return {"keep": None, "best": {}}
 
 
 def _existing_run(view: Store, run: str) -> str:
@@ -118,8 +165,10 @@ def store_overview(reader: StoreReader) -> dict[str, Any]:
     usage = store_usage(view, scan_unreferenced=False)
     unique = {r.run: r.unique_stored_bytes for r in usage.runs}
     runs = []
+    damaged = 0
     for name in vault.runs():
         summaries = vault.checkpoints(name)
+        damaged += sum(1 for s in summaries if s.error)
         good = [s for s in summaries if not s.error]
         newest = good[-1] if good else None
         runs.append(
@@ -139,12 +188,17 @@ def store_overview(reader: StoreReader) -> dict[str, Any]:
         for tier, store in view._stores():
             tiers[tier] = store_usage(store, scan_unreferenced=False).to_json()
         tiers = {t: {k: v for k, v in u.items() if k != "runs"} for t, u in tiers.items()}
-        for tier, why in view.unreachable.items():
-            tiers[tier] = {"error": why}
+    # A cold tier that does not answer is named with since when (never waited for here).
+    for tier, state in reader.tier_states().items():
+        if state["state"] != "reachable" or tier not in tiers:
+            tiers[tier] = {**state, "error": state["error"] or state["state"]}
+    usage_doc = {k: v for k, v in usage.to_json().items() if k != "runs"}
+    # The usage counts readable checkpoints; the damaged ones are counted beside them.
+    usage_doc["damaged"] = damaged
     return {
         "url": view.backend.url,
         "runs": runs,
-        "usage": {k: v for k, v in usage.to_json().items() if k != "runs"},
+        "usage": usage_doc,
         "tiers": tiers,
         "models": registry_overview(reader, view=view)["models"],
     }
@@ -173,8 +227,71 @@ def _save_stats(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def run_detail(reader: StoreReader, run: str) -> dict[str, Any]:
-    """Checkpoints of ``run`` with their marks, metric series and per-save statistics."""
+def _metric_history(
+    events: list[dict[str, Any]], records: list[Any]
+) -> tuple[dict[str, list[list[Any]]], list[int]]:
+    """Each metric's whole curve: the values of the checkpoints that exist (annotations
+    merged), and of every step a save event recorded, deleted ones included; and the
+    steps whose checkpoint is gone (retention, gc), drawn as such."""
+    values: dict[int, dict[str, float]] = {}
+    for e in events:
+        if e.get("event") != "save" or type(e.get("step")) is not int:
+            continue
+        metrics = e.get("metrics")
+        if isinstance(metrics, dict):
+            values[e["step"]] = {
+                str(k): float(v)
+                for k, v in metrics.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+    existing = {r.step for r in records}
+    for r in records:
+        if not r.error:
+            values[r.step] = {**values.get(r.step, {}), **r.metrics}
+    names = sorted({m for v in values.values() for m in v})
+    series = {
+        m: [[step, values[step][m]] for step in sorted(values) if m in values[step]] for m in names
+    }
+    deleted = sorted(step for step in values if step not in existing)
+    return series, deleted
+
+
+def _run_summary(view: Store, run: str, events: list[dict[str, Any]], newest: int | None):
+    """Config, code, host and duration of a run: its info, its events and the lineage of
+    its newest checkpoint (one manifest read)."""
+    info = view.read_run_info(run) or {}
+    saves = [e for e in events if e.get("event") == "save" and isinstance(e.get("time"), float)]
+    first = saves[0]["time"] if saves else info.get("created")
+    last = saves[-1]["time"] if saves else None
+    lineage: dict[str, Any] = {}
+    if newest is not None:
+        with contextlib.suppress(StepvaultError, OSError, KeyError, TypeError):
+            lineage = lineage_report(view, f"{run}@{newest}")["checkpoint"].get("lineage") or {}
+    code = lineage.get("code") if isinstance(lineage.get("code"), dict) else {}
+    return {
+        "created": info.get("created"),
+        "first_save": first,
+        "last_save": last,
+        "duration_seconds": (last - first) if first and last else None,
+        "hosts": sorted({str(e.get("host")) for e in saves if e.get("host")}),
+        "environment": info.get("environment") or {},
+        "config": lineage.get("config") if isinstance(lineage.get("config"), dict) else {},
+        "code": code or {},
+    }
+
+
+@dataclass
+class RunState:
+    """A run page's data (``doc``) and what a live update needs to send only what changed
+    (each event's kind and step, in log order)."""
+
+    doc: dict[str, Any]
+    event_index: list[tuple[str, Any]]
+
+
+def run_state(reader: StoreReader, run: str) -> RunState:
+    """Checkpoints of ``run`` with their marks, the whole metric history, per-save
+    statistics, the run's settings and summary."""
     view = reader.view()
     _existing_run(view, run)
     summaries = Vault(view).checkpoints(run)
@@ -183,15 +300,18 @@ def run_detail(reader: StoreReader, run: str) -> dict[str, Any]:
     registered = registered_steps(view, run)
     tiers = _tiers_of(view, run, steps)
     good = [s for s in summaries if not s.error]
-    metrics = sorted({k for s in good for k in s.metrics})
+    events = [e for e in read_events(view, run) if isinstance(e, dict)]
+    settings = run_settings(events)
+    series, deleted = _metric_history(events, summaries)
+    # "best" is what the run declared (best_metric/best_mode, KeepBest): never guessed
+    # from a metric's name; a metric without a declared direction has no best.
+    modes = {m: mode for m, mode in settings["best"].items() if m in series}
     best: dict[int, list[str]] = {}
-    for metric in metrics:
-        if metric.lower() in _NOT_RANKED:
-            continue
+    for metric, mode in modes.items():
         scored = [s for s in good if metric in s.metrics]
         if scored:
             ranked = sorted(scored, key=lambda s, m=metric: s.metrics[m])  # type: ignore[misc]
-            pick = ranked[-1] if best_mode(metric) == "max" else ranked[0]
+            pick = ranked[-1] if mode == "max" else ranked[0]
             best.setdefault(pick.step, []).append(metric)
     checkpoints = [
         {
@@ -212,26 +332,118 @@ def run_detail(reader: StoreReader, run: str) -> dict[str, Any]:
         }
         for s in summaries
     ]
-    events = read_events(view, run)
-    return {
+    newest = good[-1].step if good else None
+    doc = {
         "run": run,
         "url": view.backend.url,
         "run_info": view.read_run_info(run),
+        "summary": _run_summary(view, run, events, newest),
+        "settings": settings,
         "checkpoints": checkpoints,
-        "metrics": {m: [[s.step, s.metrics[m]] for s in good if m in s.metrics] for m in metrics},
-        "best_modes": {m: best_mode(m) for m in metrics},
+        "metrics": series,
+        "deleted_steps": deleted,
+        "best_modes": modes,
         "saves": _save_stats(events),
         "deletions": [
             {"step": e.get("step"), "time": e.get("time"), "reasons": e.get("reasons", [])}
             for e in events
             if e.get("event") == "delete"
         ],
+        "cursor": f"{steps[-1] if steps else -1}:{len(events)}",
+    }
+    return RunState(doc, [(str(e.get("event")), e.get("step")) for e in events])
+
+
+def run_detail(reader: StoreReader, run: str) -> dict[str, Any]:
+    """The run page's data (see :func:`run_state`)."""
+    return run_state(reader, run).doc
+
+
+def parse_cursor(text: str) -> tuple[int, int]:
+    """``"STEP:EVENTS"`` (a run page's cursor) -> (newest step seen, events seen)."""
+    head, sep, tail = text.partition(":")
+    try:
+        step, seen = int(head), int(tail)
+    except ValueError:
+        step, seen = -2, -1
+    if not sep or step < -1 or seen < 0 or len(text) > 40:
+        raise InvalidNameError(f"bad cursor {text[:40]!r}: expected STEP:EVENTS from the page")
+    return step, seen
+
+
+def run_delta(state: RunState, cursor: str) -> dict[str, Any]:
+    """What changed on a run page since ``cursor`` (the ``cursor`` of the data the page
+    has): new and changed checkpoints, removed steps, new metric points and save
+    statistics, and the (small) marks maps whole. ``{"reload": true}`` when the log was
+    rewritten under the page; otherwise a few hundred bytes per save."""
+    doc = state.doc
+    seen_step, seen_events = parse_cursor(cursor)
+    if doc["cursor"] == cursor:
+        return {"delta": True, "unchanged": True, "cursor": cursor}
+    new_events = state.event_index[seen_events:]
+    if seen_events > len(state.event_index):
+        return {"reload": True, "cursor": doc["cursor"]}
+    touched = {s for k, s in new_events if type(s) is int and k in (*_MARK_EVENTS, "save")}
+    removed = sorted({s for k, s in new_events if k == "delete" and type(s) is int})
+    rows = [c for c in doc["checkpoints"] if c["step"] > seen_step or c["step"] in touched]
+    fresh = {c["step"] for c in rows}
+    existing = {c["step"] for c in doc["checkpoints"]}
+    removed = [s for s in removed if s not in existing]
+    changed_metric_steps = fresh | set(removed) | touched
+    metrics = {
+        m: [p for p in pts if p[0] > seen_step or p[0] in changed_metric_steps]
+        for m, pts in doc["metrics"].items()
+    }
+    saves_before = sum(1 for k, _ in state.event_index[:seen_events] if k == "save")
+    deletions_before = sum(1 for k, _ in state.event_index[:seen_events] if k == "delete")
+    return {
+        "delta": True,
+        "cursor": doc["cursor"],
+        "count": len(doc["checkpoints"]),
+        "checkpoints": rows,
+        "removed": removed,
+        "metrics": {m: pts for m, pts in metrics.items() if pts},
+        "deleted_steps": [s for s in doc["deleted_steps"] if s in set(removed) or s > seen_step],
+        "best_modes": doc["best_modes"],
+        "marks": {
+            "pinned": [c["step"] for c in doc["checkpoints"] if c["pinned"]],
+            "registered": {
+                c["step"]: c["registered"] for c in doc["checkpoints"] if c["registered"]
+            },
+            "best": {c["step"]: c["best"] for c in doc["checkpoints"] if c["best"]},
+        },
+        "saves": doc["saves"][saves_before:],
+        "deletions": doc["deletions"][deletions_before:],
     }
 
 
-def keep_policy_from(params: Mapping[str, str]) -> Any:
+def table_page(
+    checkpoints: list[dict[str, Any]], page: int = 0, step: int | None = None
+) -> dict[str, Any]:
+    """One page of the run table, newest first: ``page`` (0 = newest), or the page that
+    holds ``step`` (or the nearest existing step) with that row marked."""
+    rows = checkpoints[::-1]
+    pages = max(1, -(-len(rows) // TABLE_ROWS))
+    found = None
+    if step is not None and rows:
+        found = min(rows, key=lambda c: (abs(c["step"] - step), -c["step"]))["step"]
+        index = next(i for i, c in enumerate(rows) if c["step"] == found)
+        page = index // TABLE_ROWS
+    page = min(max(page, 0), pages - 1)
+    return {
+        "rows": rows[page * TABLE_ROWS : (page + 1) * TABLE_ROWS],
+        "page": page,
+        "pages": pages,
+        "found": found,
+        "asked": step,
+    }
+
+
+def keep_policy_from(params: Mapping[str, str], known_metrics: list[str] | None = None) -> Any:
     """A keep policy from the query parameters of the retention preview, the same rules as
-    ``stepvault gc RUN --keep-last N --keep-best N --metric M --mode min --keep-every N``."""
+    ``stepvault gc RUN --keep-last N --keep-best N --metric M --mode min --keep-every N``
+    (None when no rule is given). With ``known_metrics``, a metric the run never recorded
+    is refused by name (with the nearest known one), not silently matched by nothing."""
     from ..policy import KeepBest, KeepEvery, KeepLast
 
     def number(key: str) -> int | None:
@@ -250,6 +462,13 @@ def keep_policy_from(params: Mapping[str, str]) -> Any:
         mode = params.get("mode", "min")
         if not metric or mode not in ("min", "max"):
             raise InvalidNameError("keep_best needs metric=NAME and mode=min|max")
+        if known_metrics is not None and metric not in known_metrics:
+            near = difflib.get_close_matches(metric, known_metrics, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            known = ", ".join(known_metrics) or "none"
+            raise InvalidNameError(
+                f"unknown metric {metric[:64]!r}: {hint}this run recorded: {known}"
+            )
         rules.append(KeepBest(n, metric=metric, mode="max" if mode == "max" else "min"))
     if (n := number("keep_every")) is not None:
         rules.append(KeepEvery(steps=n))
@@ -259,30 +478,145 @@ def keep_policy_from(params: Mapping[str, str]) -> Any:
     return policy
 
 
-def retention_preview(reader: StoreReader, run: str, params: Mapping[str, str]) -> dict[str, Any]:
-    """What a keep policy (from ``params``; default: keep the last 3) would keep and delete
-    now, and which rule keeps each survivor — ``stepvault gc RUN ... --dry-run``."""
-    from ..catalog.retention import name_registry_holds
-    from ..manager.checkpoint_manager import checkpoint_records  # imports torch: only here
-    from ..policy import plan_retention
+def _gc_command(url: str, run: str, policy: Any) -> str | None:
+    """The ``stepvault gc ... --dry-run`` line that plans exactly ``policy`` (None when a
+    rule has no gc option)."""
+    from ..policy import KeepAny, KeepBest, KeepEvery, KeepLast
 
+    rules = list(policy.policies) if isinstance(policy, KeepAny) else [policy]
+    parts = []
+    for rule in rules:
+        if type(rule) is KeepLast and rule.kind is None:
+            parts.append(f"--keep-last {rule.n}")
+        elif type(rule) is KeepBest:
+            parts.append(f"--keep-best {rule.n} --metric {rule.metric} --mode {rule.mode}")
+        elif type(rule) is KeepEvery and getattr(rule, "steps", None):
+            parts.append(f"--keep-every {rule.steps}")
+        else:
+            return None
+    root = f"--root {url}" if " " not in url else f"--root '{url}'"
+    return f"stepvault {root} gc {run} {' '.join(parts)} --dry-run"
+
+
+def _ranges(steps: list[int]) -> str:
+    """``"10, 20-400 (39 steps), 500"``-like text of a sorted step list, consecutive
+    checkpoints (whatever their stride) joined into one range."""
+    if not steps:
+        return "nothing"
+    if len(steps) <= 12:
+        return ", ".join(map(str, steps))
+    return f"{steps[0]}–{steps[-1]} ({len(steps):,} checkpoints)"
+
+
+def _summarised(plan: Any) -> list[dict[str, Any]]:
+    """The plan's entries, newest first, runs of neighbours with the same verdict and
+    reasons folded into one row (``first``..``step``, ``count``): a keep-everything run
+    of 5,000 checkpoints is one row, not 5,000."""
+    rows: list[dict[str, Any]] = []
+    for e in reversed(plan.entries):
+        key = (e.keep, tuple(e.reasons))
+        last = rows[-1] if rows else None
+        if last is not None and last["_key"] == key:
+            last["first"] = e.step
+            last["count"] += 1
+            continue
+        rows.append(
+            {
+                "_key": key,
+                "step": e.step,
+                "first": e.step,
+                "count": 1,
+                "keep": e.keep,
+                "reasons": list(e.reasons),
+            }
+        )
+    for row in rows:
+        del row["_key"]
+    return rows
+
+
+def retention_preview(reader: StoreReader, run: str, params: Mapping[str, str]) -> dict[str, Any]:
+    """What ``stepvault gc RUN ... --dry-run`` would keep and delete now, and which rule
+    keeps each survivor: the same plan function (:func:`stepvault.ops.gc.plan_gc`) on
+    the same store (the hot one: a checkpoint only in a cold tier is not gc's). The
+    rules are the ones typed in, else the run's own configured keep policy; a run that
+    has none keeps everything."""
+    from ..ops.gc import plan_gc  # reads records through the catalog: only here
+
+    hot = reader.hot()
     view = reader.view()
     _existing_run(view, run)
-    if not any(params.get(k) for k in ("keep_last", "keep_best", "keep_every")):
-        params = {**params, "keep_last": "3"}
-    policy = keep_policy_from(params)
-    plan = plan_retention(checkpoint_records(view, run), policy, now=time.time())
-    name_registry_holds(view, run, plan)  # as gc says it: a registry hold is not a pin
-    return {
+    events = [e for e in read_events(hot, run) if isinstance(e, dict)]
+    settings = run_settings(events)
+    typed = any(params.get(k) for k in ("keep_last", "keep_best", "keep_every"))
+    doc: dict[str, Any] = {
         "run": run,
-        "policy": repr(policy),
+        "configured": settings["keep"],
+        "source": "typed" if typed else "configured",
         "params": {
             k: params[k]
             for k in ("keep_last", "keep_best", "metric", "mode", "keep_every")
             if params.get(k)
         },
-        "entries": plan.to_json(),
-        "delete": plan.delete,
+    }
+    if typed:
+        records = Vault(hot).checkpoints(run) if run in hot.list_runs() else []
+        known = sorted({m for r in records for m in r.metrics} | set(_history_metrics(events)))
+        policy = keep_policy_from(params, known)
+    elif settings["keep"]:
+        from ..planning.policies import parse_policy
+        from ..planning.units import PlanError
+
+        try:
+            policy = parse_policy(settings["keep"], "--keep")
+        except (PlanError, ValueError) as exc:
+            doc.update(
+                policy=settings["keep"],
+                entries=[],
+                delete=[],
+                summary="",
+                note=f"the run's keep policy cannot be previewed here ({exc}); "
+                "type rules to preview gc",
+            )
+            return doc
+    else:
+        doc.update(
+            policy=None,
+            entries=[],
+            delete=[],
+            summary="nothing: no keep policy",
+            note="this run has no keep policy: every checkpoint stays (type rules "
+            "to preview what gc would delete)",
+        )
+        return doc
+    if run not in hot.list_runs():
+        doc.update(
+            policy=repr(policy),
+            entries=[],
+            delete=[],
+            summary="nothing",
+            note="no checkpoint of this run is in the hot store: gc deletes none",
+        )
+        return doc
+    plan = plan_gc(hot, run, policy, now=time.time())
+    doc.update(
+        policy=repr(policy),
+        command=_gc_command(hot.backend.url, run, policy),
+        entries=plan.to_json() if len(plan.entries) <= PREVIEW_ENTRIES else [],
+        rows=_summarised(plan),
+        delete=plan.delete,
+        kept=len(plan.keep),
+        summary=_ranges(plan.delete),
+    )
+    return doc
+
+
+def _history_metrics(events: list[dict[str, Any]]) -> set[str]:
+    return {
+        str(k)
+        for e in events
+        if e.get("event") == "save" and isinstance(e.get("metrics"), dict)
+        for k in e["metrics"]
     }
 
 
@@ -302,11 +636,19 @@ def checkpoint_detail(reader: StoreReader, run: str, step: int) -> dict[str, Any
         "next_step": min((s for s in steps if s > step), default=None),
         "commands": _commands(view.backend.url, run, step),
     }
+    events = [e for e in read_events(view, run) if isinstance(e, dict)]
+    doc["referenced_by"] = _tracker_refs(events, step)
     try:
         data = view.read_manifest(run, step)
         m = parse_manifest(data, f"{run}@{step}")
     except StepvaultError as exc:
         doc["error"] = str(exc)
+        root = _root_option(view.backend.url)
+        doc["repair"] = {
+            "verify": f"stepvault {root} verify {run}@{step} --deep",
+            "repair (dry run)": f"stepvault {root} repair {run} --dry-run",
+            "repair": f"stepvault {root} repair {run}",
+        }
         return doc
     prev_objects: set[str] = set()
     if doc["previous_step"] is not None:
@@ -343,7 +685,12 @@ def checkpoint_detail(reader: StoreReader, run: str, step: int) -> dict[str, Any
             "kind": m.kind,
             "created": m.created,
             "parent_step": m.parent_step,
-            "metrics": dict(m.metrics),
+            # the metrics at save time with the evaluations annotated since (as listings
+            # and KeepBest see them), and which ones came from an annotation
+            "metrics": merged_metrics(
+                dict(m.metrics), read_annotations(view, run).get(step, []), manifest_id(data)
+            ),
+            "saved_metrics": dict(m.metrics),
             "state_kinds": dict(m.state_kinds),
             "environment": dict(m.environment),
             "logical_bytes": m.logical_bytes,
@@ -369,6 +716,29 @@ def checkpoint_detail(reader: StoreReader, run: str, step: int) -> dict[str, Any
     return doc
 
 
+def _tracker_refs(events: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    """The experiment trackers that reference ``step`` (``tracker_ref`` events: MLflow,
+    W&B, Ray runs that logged this checkpoint), newest first, one per (tracker, ref)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in events:
+        if e.get("event") != "tracker_ref" or e.get("step") != step:
+            continue
+        tracker, ref = str(e.get("tracker", "")), str(e.get("ref", ""))
+        out[(tracker, ref)] = {
+            "tracker": tracker,
+            "ref": ref,
+            "name": str(e.get("name", "")),
+            "time": e.get("time"),
+            # only web addresses become links: a runs:/ or file URI is shown as text
+            "link": ref if ref.startswith(("http://", "https://")) else None,
+        }
+    return sorted(out.values(), key=lambda r: -(r["time"] or 0))
+
+
+def _root_option(url: str) -> str:
+    return f"--root {url}" if " " not in url else f"--root '{url}'"
+
+
 def _signature_summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
     if record is None:
         return None
@@ -376,7 +746,7 @@ def _signature_summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _commands(url: str, run: str, step: int) -> dict[str, str]:
-    root = f"--root {url}" if " " not in url else f"--root '{url}'"
+    root = _root_option(url)
     return {
         "verify": f"stepvault {root} verify {run}@{step} --deep",
         "export": f"stepvault {root} export {run}@{step} -o exported/",
@@ -419,10 +789,37 @@ def registry_overview(reader: StoreReader, *, view: Store | None = None) -> dict
 
 
 # -- events page -----------------------------------------------------------------------------
+_EVENT_FIELDS = ("time", "event", "run", "step", "user", "host", "pid")
+
+
+def _shown(key: str, value: Any) -> str:
+    """An event field as a person reads it: sizes in units, floats to 4 significant
+    digits, lists and objects as compact JSON (never a Python repr)."""
+    import json
+
+    from .._units import human_bytes
+
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int | float) and key.endswith("_bytes"):
+        return human_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict | list):
+        return json.dumps(value, separators=(", ", ": "), default=str, sort_keys=True)
+    return str(value)
+
+
 def events_page(
-    reader: StoreReader, run: str | None = None, kind: str | None = None, limit: int = EVENTS_LIMIT
+    reader: StoreReader,
+    run: str | None = None,
+    kind: str | None = None,
+    limit: int = EVENTS_LIMIT,
+    offset: int = 0,
 ) -> dict[str, Any]:
-    """The audit trail of one run or of every run, newest first, optionally of one kind."""
+    """The audit trail of one run or of every run, newest first, optionally of one kind:
+    ``limit`` events from ``offset`` (0 = the newest), so every event back to the first
+    is a page away."""
     view = reader.view()
     runs = [_existing_run(view, run)] if run else view.list_runs()
     events: list[dict[str, Any]] = []
@@ -432,13 +829,24 @@ def events_page(
     if kind:
         events = [e for e in events if e.get("event") == kind]
     events.sort(key=lambda e: e.get("time") or 0, reverse=True)
+    offset = max(0, min(offset, max(0, len(events) - 1)))
+    shown = []
+    for e in events[offset : offset + limit]:
+        details = [
+            [k, _shown(k, v)]
+            for k, v in e.items()
+            if k not in _EVENT_FIELDS and v not in (None, "", [], {})
+        ]
+        shown.append({**e, "details": details})
     return {
         "run": run,
         "kind": kind,
         "runs": view.list_runs(),
         "kinds": kinds,
         "total": len(events),
-        "events": events[:limit],
+        "offset": offset,
+        "limit": limit,
+        "events": shown,
     }
 
 
@@ -449,6 +857,9 @@ def change_token(reader: StoreReader) -> str:
     view = reader.view()
     backend = view.backend
     h = blake3()
+    # a cold tier going down or coming back changes what the pages show
+    for name, state in sorted(reader.tier_states().items()):
+        h.update(f"{name}:{state['state']}:{state['since']};".encode())
     for run in view.list_runs():
         steps = view.list_steps(run)
         h.update(f"{run}:{len(steps)}:{steps[-1] if steps else -1};".encode())
