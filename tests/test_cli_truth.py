@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 import stepvault
 from stepvault.cli import output
 from stepvault.cli.main import app
+from stepvault.format.hashing import content_hash
 
 BOX = set("┏┓┗┛┃━│─┡┩╇╋┼")
 
@@ -60,6 +61,55 @@ def tiered(tmp_path):
     res = cli(hot, "tier", "r@2", "--to", "archive", "--evict")
     assert res.exit_code == 0, res.output
     return hot, weights
+
+
+def test_a_checkpoint_only_in_the_archive_registers_promotes_and_is_held_there(tiered):
+    """register/promote/lineage used to read the hot tier alone ("no committed checkpoint
+    r@2") for a checkpoint a restore reads fine from the archive."""
+    hot, _ = tiered
+    res = cli(hot, "promote", "m", "r@2", "--alias", "stable")
+    assert res.exit_code == 0, res.output
+    assert "m@stable -> v1" in res.stdout
+    res = cli(hot, "lineage", "m@stable")
+    assert res.exit_code == 0 and "checkpoint r@2" in res.stdout, res.output
+    # held where each retention looks: hot (gc, `holds`) and the archive (its own keep)
+    assert (hot / "refs/holds/r/2@m.v1.json").is_file()
+    assert (hot.parent / "archive/refs/holds/r/2@m.v1.json").is_file()
+    res = cli(hot, "verify", "--json")  # its registry check reads the archive too
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["registry"] == []  # problems only: r@2 is not "gone"
+
+
+def test_sign_and_verify_signatures_cover_archive_copies(tiered, tmp_path):
+    hot, _ = tiered
+    assert cli(hot, "keygen", str(tmp_path / "team")).exit_code == 0
+    key, pub = str(tmp_path / "team.key"), str(tmp_path / "team.pub")
+    res = cli(hot, "sign", "r", "--key", key, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["signed"] == 3  # r@2 lives in the archive only
+    res = cli(hot, "verify", "--signatures", "--key", pub, "--require", "--json")
+    assert res.exit_code == 0, res.output
+    manifests = [
+        e for e in json.loads(res.stdout)["signatures"]["entries"] if e["kind"] == "manifest"
+    ]
+    assert [(e["ref"], e["status"]) for e in manifests] == [
+        ("r@1", "valid"),
+        ("r@2 (in archive)", "valid"),
+        ("r@3", "valid"),
+    ]
+    # an archive copy altered (checksum recomputed) is caught, and named with its tier
+    path = hot.parent / "archive/runs/r/checkpoints/2.json"
+    envelope, body = path.read_bytes().split(b"\n", 1)
+    doc = json.loads(body)
+    doc["metrics"] = {"val_loss": 0.01}  # a forged metric
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    env = {**json.loads(envelope), "body_blake3": content_hash(body), "body_size": len(body)}
+    path.write_bytes(json.dumps(env, separators=(",", ":")).encode() + b"\n" + body)
+    assert cli(hot, "verify", "r@2").exit_code == 0  # the checksum alone cannot tell
+    res = cli(hot, "verify", "--signatures", "--key", pub, "--json")
+    assert res.exit_code == 1, res.output
+    bad = json.loads(res.stdout)["signatures"]["problems"]
+    assert [(e["ref"], e["status"]) for e in bad] == [("r@2 (in archive)", "invalid")]
 
 
 def test_a_checkpoint_only_in_the_archive_verifies_there_and_says_so(tiered, tmp_path):

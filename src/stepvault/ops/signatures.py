@@ -10,6 +10,7 @@ was recomputed; an ``unsigned`` record in a store that should be signed is repor
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,8 @@ from ..catalog.annotations import read_annotations
 from ..registry import Registry
 from ..store import Store
 from ..store.signing import Signer, Verifier
+from ..tiers.config import HOT
+from ..tiers.view import TieredView, read_view
 
 
 @dataclass
@@ -66,21 +69,24 @@ def verify_signatures(
     if isinstance(verifier, Signer):
         verifier = verifier.verifier()
     report = SignatureReport(require=require)
-    for r in [run] if run else store.list_runs():
-        for step in store.list_steps(r):
-            where = f"{r}@{step}"
+    view = read_view(store)
+    for r in [run] if run else view.list_runs():
+        for step, tier, copy in _copies(view, r):
+            # each tier's copy is checked: an archive copy altered on its own shows too
+            where = f"{r}@{step}" + (f" (in {tier})" if tier != HOT else "")
             try:
-                data = store.read_manifest(r, step)
+                data = copy.read_manifest(r, step)
             except Exception as exc:  # unreadable: the deep verify reports the damage
                 report.entries.append(
                     {"kind": "manifest", "ref": where, "status": "damaged", "detail": str(exc)}
                 )
                 continue
-            verdict = verifier.check(data, store.read_signature(r, step))
+            verdict = verifier.check(data, copy.read_signature(r, step))
             report.entries.append(
                 {
                     "kind": "manifest",
                     "ref": where,
+                    "tier": tier,
                     "status": verdict.status,
                     "detail": verdict.detail,
                 }
@@ -106,14 +112,32 @@ def verify_signatures(
     return report
 
 
+def _copies(view: Store, run: str) -> Iterator[tuple[int, str, Store]]:
+    """``(step, tier, store)`` for every committed copy of every checkpoint of ``run``,
+    hot first: a checkpoint moved to a cold tier is signed and checked there."""
+    if not isinstance(view, TieredView):
+        for step in view.list_steps(run):
+            yield step, HOT, view
+        return
+    stores = dict(view._stores())
+    order = {tier: i for i, tier in enumerate(stores)}
+    copies = [(step, tier) for tier, steps in view.steps_by_tier(run).items() for step in steps]
+    for step, tier in sorted(copies, key=lambda c: (c[0], order[c[1]])):
+        yield step, tier, stores[tier]
+
+
 def sign_existing(store: Store, signer: Signer, run: str, steps: list[int] | None = None) -> int:
-    """Sign the committed manifests of ``run`` that have no signature yet; return how many."""
+    """Sign the committed manifests of ``run`` that have no signature yet, on every tier
+    that holds a copy (the signature is written next to each copy); return how many."""
     done = 0
-    for step in steps if steps is not None else store.list_steps(run):
-        if store.read_signature(run, step) is not None:
+    wanted = None if steps is None else set(steps)
+    for step, _tier, copy in _copies(read_view(store), run):
+        if wanted is not None and step not in wanted:
             continue
-        data = store.read_manifest(run, step)
+        if copy.read_signature(run, step) is not None:
+            continue
+        data = copy.read_manifest(run, step)
         sig = json.dumps(signer.sign(data), sort_keys=True).encode()
-        store.backend.put_atomic(store.signature_key(run, step), [sig], overwrite=False)
+        copy.backend.put_atomic(copy.signature_key(run, step), [sig], overwrite=False)
         done += 1
     return done

@@ -10,6 +10,7 @@ from ..catalog.refs import resolve_ref
 from ..errors import StepvaultError
 from ..format import parse_manifest
 from ..store import Store
+from ..tiers.view import read_view
 from .models import Registry
 
 #: Parents are followed this deep (a fine-tune of a fine-tune of ...).
@@ -45,6 +46,7 @@ def lineage_report(store: Store, spec: str) -> dict[str, Any]:
     the hash recorded at fine-tuning time).
     """
     registry = Registry(store)
+    store = read_view(store)  # checkpoints, lineage records and parents on every tier
     name = spec.partition("@")[0]
     report: dict[str, Any] = {"spec": spec, "model": None, "version": None}
     step: int | str | None

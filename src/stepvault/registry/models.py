@@ -43,6 +43,8 @@ from ..catalog.annotations import manifest_id
 from ..catalog.events import log_event
 from ..errors import CheckpointNotFoundError, RegistryError, StepvaultError
 from ..store import Store, validate_run_name
+from ..tiers.config import HOT
+from ..tiers.view import TieredView, read_view
 from ..store.signing import Signer, Verifier
 
 #: The suggested trio; any valid name works.
@@ -255,6 +257,30 @@ class Registry:
     def _stamp(self) -> dict[str, Any]:
         return {"time": time.time(), "user": _user(), "host": socket.gethostname()}
 
+    def _checkpoints(self) -> Store:
+        """The checkpoints on every tier (hot, then cold): a checkpoint moved to the archive
+        is registered, promoted and verified like one on local disk."""
+        return read_view(self.store)
+
+    def _hold(self, run: str, step: int, holder: str) -> None:
+        """Hold ``run@step`` in the hot store (where retention, GC and ``stepvault holds``
+        look) and in every cold tier that holds its manifest (where that tier's own
+        retention looks; a later tier copy carries the hot hold over by itself)."""
+        view = self._checkpoints()
+        view.hold(run, step, holder)  # must exist on some tier; the record goes to hot
+        if isinstance(view, TieredView):
+            for name in view.where(run, step):
+                if name != HOT:
+                    view.tiers.get(name, create=False).hold(run, step, holder)
+
+    def _release(self, run: str, step: int, holder: str) -> None:
+        view = self._checkpoints()
+        view.release(run, step, holder)
+        if isinstance(view, TieredView):
+            for name in view.where(run, step):
+                if name != HOT:
+                    view.tiers.get(name, create=False).release(run, step, holder)
+
     def register(
         self,
         model: str,
@@ -271,7 +297,7 @@ class Registry:
         """
         validate_model_name(model)
         try:
-            mid = manifest_id(self.store.read_manifest(run, step))
+            mid = manifest_id(self._checkpoints().read_manifest(run, step))
         except CheckpointNotFoundError as exc:
             raise RegistryError(f"cannot register {run}@{step}: {exc}") from None
         for v in self.versions(model):
@@ -291,7 +317,7 @@ class Registry:
                 **self._stamp(),
             }
             # Hold first: a version must never exist without its protection.
-            self.store.hold(run, step, f"{model}.v{n}")
+            self._hold(run, step, f"{model}.v{n}")
             try:
                 self.store.backend.put_atomic(
                     f"{prefix}/{n}.json", [self._signed(record)], overwrite=False
@@ -300,7 +326,7 @@ class Registry:
                 # Another process took number n: drop our hold unless theirs is the same one.
                 _, theirs = self._read(f"{prefix}/{n}.json")
                 if (theirs.get("run"), theirs.get("step")) != (run, int(step)):
-                    self.store.release(run, step, f"{model}.v{n}")
+                    self._release(run, step, f"{model}.v{n}")
                 continue
             log_event(self.store, run, "register", step=step, model=model, version=n)
             return _version_from(record)
@@ -500,7 +526,7 @@ class Registry:
             return {**entry, "status": "damaged", "detail": str(exc)}
         entry["ref"] = v.ref
         try:
-            current = manifest_id(self.store.read_manifest(v.run, v.step))
+            current = manifest_id(self._checkpoints().read_manifest(v.run, v.step))
         except StepvaultError:
             entry.update(status="missing-checkpoint", detail=f"{v.ref} is gone")
         else:
