@@ -43,9 +43,9 @@ from ..catalog.annotations import manifest_id
 from ..catalog.events import log_event
 from ..errors import CheckpointNotFoundError, RegistryError, StepvaultError
 from ..store import Store, validate_run_name
+from ..store.signing import Signer, Verifier
 from ..tiers.config import HOT
 from ..tiers.view import TieredView, read_view
-from ..store.signing import Signer, Verifier
 
 #: The suggested trio; any valid name works.
 SUGGESTED_ALIASES = ("candidate", "stable", "fallback")
