@@ -10,15 +10,25 @@ restore would pass over it.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, InvalidNameError
 from ..format.record import CheckpointRecord
 from ..store import Store, validate_run_name
 from .records import checkpoint_records
 
-__all__ = ["latest_step", "newest_full_step", "parse_ref", "resolve_ref"]
+__all__ = [
+    "LocatedRef",
+    "latest_step",
+    "located_ref",
+    "newest_full_step",
+    "parse_located_ref",
+    "parse_ref",
+    "resolve_ref",
+]
 
 _REF = re.compile(r"^(?P<run>[^@]+)(?:@(?P<step>[0-9]{1,18}|latest))?")
 
@@ -105,3 +115,65 @@ def resolve_ref(store: Store, ref: str) -> tuple[str, int]:
     if isinstance(step, int):
         return run, step
     return run, latest_step(store, run)
+
+
+#: A checkpoint named with its store: ``stepvault:ROOT#RUN@STEP`` (what trackers record).
+LOCATED_PREFIX = "stepvault:"
+
+#: Tracker URIs ``stepvault.restore`` takes, by prefix -> the integration module that
+#: resolves them (``resolve_tracker_uri(text) -> "stepvault:ROOT#RUN@STEP"``). Named, not
+#: imported: an integration sits above this layer and its framework is an optional extra,
+#: so it is imported only when such a URI is restored.
+TRACKER_SCHEMES = {
+    "models:/": ("stepvault.integrations.mlflow", "mlflow"),
+    "runs:/": ("stepvault.integrations.mlflow", "mlflow"),
+    "wandb-artifact://": ("stepvault.integrations.wandb", "wandb"),
+}
+
+
+@dataclass(frozen=True)
+class LocatedRef:
+    """A checkpoint with its store: what a ``stepvault:`` or tracker URI names."""
+
+    root: str
+    run: str
+    step: int
+    #: the text it was resolved from (named in errors)
+    source: str
+
+
+def located_ref(root: str, run: str, step: int) -> str:
+    """``stepvault:ROOT#RUN@STEP``: a checkpoint named with its store."""
+    return f"{LOCATED_PREFIX}{root}#{validate_run_name(run)}@{int(step)}"
+
+
+def parse_located_ref(text: str) -> LocatedRef:
+    """``stepvault:ROOT#RUN@STEP``, or a tracker URI (``models:/NAME@ALIAS``,
+    ``models:/NAME/VERSION``, ``models:/MODEL_ID``, ``wandb-artifact://...``: resolved by
+    the tracker's integration), to the checkpoint it names."""
+    source = text
+    for prefix, (module, extra) in TRACKER_SCHEMES.items():
+        if isinstance(text, str) and text.startswith(prefix):
+            try:
+                resolver = importlib.import_module(module)
+            except ImportError as exc:
+                raise InvalidNameError(
+                    f"{text!r} is a {extra} reference; resolving it needs "
+                    f'pip install "stepvault[{extra}]" ({exc})'
+                ) from exc
+            text = resolver.resolve_tracker_uri(text)
+            break
+    if not (isinstance(text, str) and text.startswith(LOCATED_PREFIX) and "#" in text):
+        raise InvalidNameError(
+            f"bad checkpoint reference {source!r}: without run= give "
+            "stepvault:ROOT#RUN@STEP or a tracker URI (models:/NAME@ALIAS, "
+            "wandb-artifact://...); or pass the store root with run=RUN"
+        )
+    root, _, ref = text[len(LOCATED_PREFIX) :].rpartition("#")
+    run, step = parse_ref(ref)
+    if not root or not isinstance(step, int):
+        raise InvalidNameError(
+            f"bad checkpoint reference {source!r}: a stepvault URI names an exact "
+            "checkpoint, stepvault:ROOT#RUN@STEP"
+        )
+    return LocatedRef(root, run, step, source)

@@ -8,14 +8,53 @@ that reacts to commits (a memory-tier replica, a catalog index) plugs in here.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..catalog import apply_retention
 from ..catalog.retention import name_registry_holds
 from ..core.info import SaveInfo
 from ..policy import KeepAny, KeepBest, KeepPolicy, RetentionPlan, plan_retention
+from ..store import Store
 from .session import RunSession
 from .sweeping import Sweeper
+
+
+@dataclass(frozen=True)
+class HookContext:
+    """What a user hook (``ManagerOptions(hooks=...)``) is given by ``attach(context)``
+    when the manager is built: the run it follows and the run's event log."""
+
+    #: the hot store the manager writes
+    store: Store
+    run: str
+    #: ``event(kind, **fields)`` appends to the run's event log (never raises)
+    event: Callable[..., None]
+    #: whether this process records for the run (rank 0 under a process group)
+    coordinator: bool
+
+
+def attach_user_hooks(session: RunSession, hooks: tuple[Callable[..., Any], ...]) -> None:
+    """Give each user hook that has ``attach`` its context (at construction)."""
+    context = HookContext(session.store, session.run, session.event, session.scope.coordinator)
+    for hook in hooks:
+        attach = getattr(hook, "attach", None)
+        if callable(attach):
+            attach(context)
+
+
+def close_user_hooks(hooks: tuple[Callable[..., Any], ...]) -> None:
+    """``close()`` each user hook that has one; a hook's failure never fails the close."""
+    for hook in hooks:
+        close = getattr(hook, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as exc:  # a user hook must not lose the manager's shutdown
+                import warnings
+
+                warnings.warn(f"closing hook {hook!r} failed: {exc}", RuntimeWarning, stacklevel=2)
 
 
 def tracked_best(keep: KeepPolicy | None, metric: str | None, mode: str) -> list[tuple[str, str]]:

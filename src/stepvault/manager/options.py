@@ -19,8 +19,9 @@ the tier (``tiers={"mem": MemOptions(...)}``), like a cold tier's URL.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .._units import parse_size
 from ..core.light import LightOptions
@@ -148,8 +149,17 @@ class ManagerOptions:
     light: LightOptions | None = None
     #: ``restore("latest")`` may take a light checkpoint newer than every full one
     resume_from_light: bool = False
+    #: your after-commit hooks, run after the built-in ones on the writer thread:
+    #: ``hook(info: SaveInfo)``; one with ``attach(context)`` gets the run's
+    #: :class:`~stepvault.manager.hooks.HookContext` at construction, one with ``close()``
+    #: is closed by ``mgr.close()`` (the trackers of INTEGRATIONS.md are such hooks)
+    hooks: tuple[Callable[..., Any], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "hooks", tuple(self.hooks))
+        for hook in self.hooks:
+            if not callable(hook):
+                raise TypeError(f"options.hooks takes callables hook(info: SaveInfo), got {hook!r}")
         _of_type("options.staging", self.staging, StagingOptions)
         _of_type("options.gc", self.gc, GCOptions)
         _of_type("options.lease", self.lease, LeaseOptions)

@@ -42,7 +42,7 @@ from ..store.signing import Signer
 from ..tiers.mem import MemTier
 from ..tiers.mover import TierMover
 from .collective_saving import CollectiveWriter
-from .hooks import NotifyMover, Retention, tracked_best
+from .hooks import NotifyMover, Retention, attach_user_hooks, close_user_hooks, tracked_best
 from .leasing import LeaseKeeper
 from .mem_saving import MemRun, MemSaver, open_for_manager, start_mem_tier
 from .options import MemOptions, RunSettings
@@ -70,6 +70,8 @@ class Pipeline:
     rank_mem: Any = None  # a RankMemory (.rank_memory) under a group with replicate=True
     sweeper: Sweeper | None = None
     mover: TierMover | None = None
+    #: ``ManagerOptions.hooks``: closed once the last save's hooks ran
+    user_hooks: tuple[Any, ...] = ()
 
     def close(self) -> BaseException | None:
         """Shut every part down in order; returns the in-flight save's error (if any)."""
@@ -77,6 +79,7 @@ class Pipeline:
         error: BaseException | None = None
         try:
             error = self.saves.close()
+            close_user_hooks(self.user_hooks)  # e.g. a tracker's last records, bounded
             if self.mover is not None:
                 self.mover.close()  # a last pass, while this process holds the lease
                 if self.retention.keep is not None and coordinator:
@@ -180,6 +183,8 @@ def build_pipeline(
         hooks: list[AfterCommit] = [retention]
         if mover is not None:
             hooks.append(NotifyMover(mover))
+        attach_user_hooks(session, opts.hooks)
+        hooks.extend(opts.hooks)
         background = BackgroundWriter() if settings.async_save else None
         saves = SavePipeline(session, writer, background, hooks)
         restorer = ManagerRestorer(session, best, memory=rank_mem)
@@ -204,6 +209,7 @@ def build_pipeline(
         rank_mem=rank_mem,
         sweeper=sweeper,
         mover=mover,
+        user_hooks=opts.hooks,
     )
 
 
