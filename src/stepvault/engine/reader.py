@@ -123,6 +123,23 @@ def base_reader(store: Store, *, fast: bool = False) -> Callable[[str, int], mem
     return lambda digest, max_chain: fetch_object(store, digest, max_chain=max_chain, fast=fast)
 
 
+#: Segments each thread checks, at least, when a partial read spreads its checks.
+_SEGMENTS_PER_THREAD = 4
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _segment_pool() -> ThreadPoolExecutor:
+    """Threads that check the segments of one large partial read (made once, kept)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=default_workers(), thread_name_prefix="stepvault-verify"
+            )
+        return _pool
+
+
 class _ByteBudget:
     """At most ``limit`` bytes taken at once (one item of any size when none is taken);
     :meth:`stop` wakes every waiter for good (a failed read ends the pipeline)."""
@@ -334,7 +351,22 @@ class CheckpointReader:
         assert sums is not None
         wanted = [i for i in sums.segments(off, length) if i not in partial.verified]
         if wanted:
-            bad = check_segments(partial.raw, sums.hex, sums.segment, wanted[0], wanted[-1])
+            first, last = wanted[0], wanted[-1]
+            # Many segments (a large tensor): spread over the cores (xxhash releases the
+            # GIL); a few: here, a pool hop costs more than it saves.
+            groups = min(self.workers, (last - first + 1) // _SEGMENTS_PER_THREAD)
+            if groups < 2:
+                bad = check_segments(partial.raw, sums.hex, sums.segment, first, last)
+            else:
+                step = -(-(last - first + 1) // groups)
+                spans = [(a, min(last, a + step - 1)) for a in range(first, last + 1, step)]
+                found = _segment_pool().map(
+                    lambda span: check_segments(
+                        partial.raw, sums.hex, sums.segment, span[0], span[1]
+                    ),
+                    spans,
+                )
+                bad = next((b for b in found if b is not None), None)
             if bad is not None:
                 err = CorruptObjectError(
                     f"object {digest[:16]}… content does not match its checksum at "
