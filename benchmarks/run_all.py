@@ -21,6 +21,9 @@ Runs, each in its own process (one crash does not lose the others' sections):
 - ``bench_pipeline.py``     saves/s into a run of 10k checkpoints vs a fresh one, manifests
                             read by a retention save, requests per save, GC's mark,
                             parses and broadcasts of a 2-rank restore, mem-tier hashing
+- ``bench_restore.py``      issue 31: verification CPU per checksum, warm/cold restore vs
+                            safetensors and a parallel raw read, one tensor vs safe_open,
+                            save with/without segment checksums, restore from S3
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -107,6 +110,13 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
         [
             *("--checkpoints", "300", "--saves", "20", "--rounds", "1"),
             *("--other", "20", "--requests-long", "50"),
+        ],
+    ),
+    "restore": (
+        [],
+        [
+            *("--size-mb", "16", "--repeats", "1", "--cold-repeats", "0"),
+            *("--one-repeats", "3", "--s3-mb", "0"),
         ],
     ),
 }

@@ -1,0 +1,396 @@
+"""Restore at the storage limit (issue 31): verification cost per checksum, warm and cold
+restores against safetensors and a parallel raw read, one tensor with ``mmap=True``
+against ``safe_open``, and the save with and without the recorded segment checksums.
+
+    .venv/bin/python benchmarks/bench_restore.py [--size-mb 512] [--repeats 3] [--out BENCHMARKS.md]
+
+Every ratio is measured in this one run, peers alternated. "fast" is the default read
+(xxh3-128 segment checksums recorded at save), "full" re-hashes every object with BLAKE3
+(what every read did before: the "before" column). Cold runs drop the page cache
+(``/proc/sys/vm/drop_caches``, root only; skipped otherwise) before each read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+import torch
+from _common import median, table, write_section
+
+import stepvault
+
+DROP = Path("/proc/sys/vm/drop_caches")
+
+
+def cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def make_state(total: int) -> dict[str, torch.Tensor]:
+    """A GPT-2-like mix: 24 MB matrices (one object each), 3 MB ones, and many small."""
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {}
+    left, i = total, 0
+    while left > 0:
+        n = (6 << 20, 768 * 1024, 3072, 768)[i % 4]  # elements (fp32)
+        n = min(n, max(1, left // 4))
+        state[f"t{i:04d}"] = torch.randn(n, generator=g)
+        left -= n * 4
+        i += 1
+    return state
+
+
+def checksum_costs(nbytes: int) -> list[list[str]]:
+    """CPU-seconds per GB of each checksum on one thread, over ``nbytes`` random bytes."""
+    from blake3 import blake3
+
+    buf = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+    algs: dict[str, Callable[[memoryview], Any]] = {
+        'BLAKE3 (1 thread; the name, `verify="full"`)': lambda b: blake3(b, max_threads=1)
+    }
+    try:
+        import xxhash
+
+        algs['xxh3-128 (recorded, `verify="fast"`)'] = xxhash.xxh3_128_digest
+    except ImportError:
+        pass
+    try:
+        from awscrt import checksums
+
+        algs["CRC64NVME (awscrt)"] = checksums.crc64nvme
+        algs["CRC32C (awscrt)"] = checksums.crc32c
+    except ImportError:
+        pass
+    rows = []
+    for name, fn in algs.items():
+        samples = []
+        for _ in range(5):
+            c0 = cpu()
+            for at in range(0, nbytes, 1 << 20):  # per 1 MiB segment, as the reader does
+                fn(buf[at : at + (1 << 20)])
+            samples.append(cpu() - c0)
+        per_gb = median(samples) / (nbytes / 1e9)
+        rows.append([name, f"{per_gb:.3f}", f"{1 / per_gb:.1f}" if per_gb else "-"])
+    return rows
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        DROP.write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_parallel_read(files: list[Path], threads: int) -> float:
+    """Read every file whole with ``threads`` readers (pread into one reused buffer each)."""
+    todo = list(files)
+    lock = threading.Lock()
+
+    def reader() -> None:
+        buf = bytearray(32 << 20)
+        view = memoryview(buf)
+        while True:
+            with lock:
+                if not todo:
+                    return
+                path = todo.pop()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                off = 0
+                while True:
+                    n = os.preadv(fd, [view], off)
+                    if n <= 0:
+                        break
+                    off += n
+            finally:
+                os.close(fd)
+
+    t0 = time.perf_counter()
+    workers = [threading.Thread(target=reader) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mb", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cold-repeats", type=int, default=2, help="0 skips the cold reads")
+    ap.add_argument("--one-repeats", type=int, default=30)
+    ap.add_argument("--s3-mb", type=int, default=128, help="state restored from S3 (0: skip)")
+    ap.add_argument("--out", type=Path, default=None, help="BENCHMARKS.md to update")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from stepvault.format import hashing
+
+    work = Path(tempfile.mkdtemp(prefix="bench-restore-", dir=args.workdir or None))
+    state = make_state(args.size_mb << 20)
+    total = sum(t.nbytes for t in state.values())
+    print(f"state: {len(state)} tensors, {total / 1e9:.2f} GB fp32", flush=True)
+    results: dict[str, Any] = {"bytes": total}
+
+    # 1. What each checksum costs.
+    costs = checksum_costs(256 << 20)
+    results["checksums"] = costs
+    for row in costs:
+        print("  ", *row, flush=True)
+
+    # 2. Saves with and without the recorded checksums (alternated, fresh stores).
+    saves: dict[str, list[float]] = {"with sums": [], "without sums": []}
+    xx = hashing._xxhash
+    stepvault.save(work / "warm-up", state, run="bench", step=1)  # imports, pools, page cache
+    shutil.rmtree(work / "warm-up")
+    for r in range(args.repeats):
+        for label in ("with sums", "without sums") if r % 2 == 0 else ("without sums", "with sums"):
+            root = work / f"save-{label[:4]}-{r}"
+            hashing._xxhash = xx if label == "with sums" else None
+            t0 = time.perf_counter()
+            stepvault.save(root, state, run="bench", step=1)
+            saves[label].append(time.perf_counter() - t0)
+            shutil.rmtree(root)
+    hashing._xxhash = xx
+    results["save"] = saves
+    print("  save:", {k: f"{median(v):.2f}" for k, v in saves.items()}, flush=True)
+
+    sv = work / "store"
+    stepvault.save(sv, state, run="bench", step=1)
+    st = work / "model.safetensors"
+    save_file(state, str(st))
+    live = {k: torch.empty_like(v) for k, v in state.items()}
+    for t in live.values():
+        t.zero_()
+
+    def via_safetensors() -> None:
+        loaded = load_file(str(st))
+        for k, t in live.items():
+            t.copy_(loaded[k])
+
+    def via(verify: str) -> Callable[[], None]:
+        return lambda: stepvault.restore(sv, live, run="bench", step=1, verify=verify)  # type: ignore[arg-type]
+
+    peers = {"safetensors load+copy": via_safetensors, "fast": via("fast"), "full": via("full")}
+
+    def check() -> None:
+        for k, t in live.items():
+            if not torch.equal(t, state[k]):
+                raise SystemExit(f"restored {k} wrong")
+
+    # 3. Warm: every file in the page cache.
+    warm: dict[str, list[float]] = {k: [] for k in peers}
+    for fn in peers.values():
+        fn()  # warm-up, untimed
+    check()
+    for r in range(args.repeats):
+        order = list(peers.items())
+        for label, fn in order[r % 3 :] + order[: r % 3]:
+            t0 = time.perf_counter()
+            fn()
+            warm[label].append(time.perf_counter() - t0)
+    check()
+    results["warm"] = warm
+    print("  warm:", {k: f"{median(v):.3f}" for k, v in warm.items()}, flush=True)
+
+    # 4. Cold: the page cache dropped before each read.
+    cold: dict[str, list[float]] = {}
+    objects = sorted(p for p in (sv / "objects").rglob("*") if p.is_file())
+    cold_peers: dict[str, Callable[[], Any]] = {
+        "raw parallel read": lambda: raw_parallel_read(objects, 8),
+        **peers,
+    }
+    if args.cold_repeats and drop_caches():
+        cold = {k: [] for k in cold_peers}
+        for r in range(args.cold_repeats):
+            order = list(cold_peers.items())
+            for label, fn in order[r % 4 :] + order[: r % 4]:
+                drop_caches()
+                t0 = time.perf_counter()
+                fn()
+                cold[label].append(time.perf_counter() - t0)
+        check()
+        print("  cold:", {k: f"{median(v):.3f}" for k, v in cold.items()}, flush=True)
+    results["cold"] = cold
+
+    # 5. One tensor, mmap=True, against safe_open (both warm).
+    name = max(state, key=lambda k: state[k].nbytes if state[k].nbytes <= 32 << 20 else 0)
+    one: dict[str, list[float]] = {"stepvault": [], "safe_open": []}
+
+    def one_sv() -> torch.Tensor:
+        return stepvault.open(sv).checkpoint("bench", 1).tensor(name, mmap=True)
+
+    def one_st() -> torch.Tensor:
+        with safe_open(str(st), framework="pt") as f:
+            return f.get_tensor(name)
+
+    for r in range(args.one_repeats + 1):
+        for label, fn in (("stepvault", one_sv), ("safe_open", one_st))[:: 1 if r % 2 else -1]:
+            t0 = time.perf_counter()
+            t = fn()
+            float(t.view(-1)[:: max(1, 4096 // t.element_size())].sum())  # touch every page
+            dt = time.perf_counter() - t0
+            if r:
+                one[label].append(dt)
+            elif not torch.equal(t, state[name]):
+                raise SystemExit(f"{label} read {name} wrong")
+    results["one"] = {"name": name, "bytes": state[name].nbytes, **one}
+    print("  one:", {k: f"{median(v) * 1e3:.2f} ms" for k, v in one.items()}, flush=True)
+
+    # 6. From the S3 tier (moto on loopback) against one plain sequential GET per object.
+    results["s3"] = bench_s3(args.s3_mb, args.repeats) if args.s3_mb else {}
+
+    shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.out:
+        write_section(args.out, "restore", report(results, args))
+    return 0
+
+
+def bench_s3(size_mb: int, repeats: int) -> dict[str, list[float]]:
+    """Restore from a store on a local S3 server vs a plain sequential GET of its objects."""
+    try:
+        import boto3
+        from bench_tiers import S3Server
+    except ImportError as exc:
+        print(f"  s3: skipped ({exc})", flush=True)
+        return {}
+    server = S3Server()
+    try:
+        bucket = server.bucket()
+        os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+        url = f"s3://{bucket}/store"
+        state = make_state(size_mb << 20)
+        stepvault.save(url, state, run="bench", step=1)
+        client = boto3.client("s3", endpoint_url=server.endpoint)
+        keys = [
+            o["Key"]
+            for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix="store/objects/"
+            )
+            for o in page.get("Contents", [])
+        ]
+        live = {k: torch.zeros_like(v) for k, v in state.items()}
+
+        def plain_get() -> None:
+            for key in keys:
+                client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+        peers: dict[str, Callable[[], Any]] = {
+            "plain sequential GET": plain_get,
+            "stepvault restore": lambda: stepvault.restore(
+                url, live, run="bench", step=1, progress=False
+            ),
+        }
+        times: dict[str, list[float]] = {k: [] for k in peers}
+        for fn in peers.values():
+            fn()  # warm-up
+        for r in range(repeats):
+            for label, fn in list(peers.items())[:: 1 if r % 2 else -1]:
+                t0 = time.perf_counter()
+                fn()
+                times[label].append(time.perf_counter() - t0)
+        if not all(torch.equal(live[k], state[k]) for k in state):
+            raise SystemExit("restored from S3 wrong")
+        times["bytes"] = [float(sum(t.nbytes for t in state.values()))]
+        print("  s3:", {k: f"{median(v):.3f}" for k, v in times.items()}, flush=True)
+        return times
+    finally:
+        server.stop()
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> str:
+    st = "safetensors load+copy"
+    warm, cold, one = res["warm"], res["cold"], res["one"]
+    m = {k: median(v) for k, v in warm.items()}
+    lines = [
+        "## Restore at the storage limit (issue 31, `bench_restore.py`)",
+        "",
+        f"{res['bytes'] / 1e9:.2f} GB fp32 (GPT-2-like mix of tensor sizes), one local disk, "
+        f"medians of {args.repeats} (cold: {args.cold_repeats}; one tensor: "
+        f"{args.one_repeats}), all ratios from this one run. `fast`: the default read, "
+        "xxh3-128 segment checksums recorded at save; `full`: BLAKE3 of every object "
+        "(every read before issue 31, and now signed checkpoints).",
+        "",
+        "Verification cost, one thread, per 1 MiB segment:",
+        "",
+        table(["checksum", "CPU-s per GB", "GB/s per core"], res["checksums"]),
+        "",
+        "Warm restore (files in the page cache) into existing tensors:",
+        "",
+        table(
+            ["read", "seconds", "vs safetensors load+copy", "target"],
+            [
+                [k, f"{m[k]:.3f}", f"{m[k] / m[st]:.2f}x", "<= 1.3x" if k == "fast" else ""]
+                for k in m
+            ],
+        ),
+    ]
+    if cold:
+        c = {k: median(v) for k, v in cold.items()}
+        raw = c["raw parallel read"]
+        lines += [
+            "",
+            "Cold restore (page cache dropped before each read):",
+            "",
+            table(
+                ["read", "seconds", "vs raw parallel read", "vs safetensors", "target"],
+                [
+                    [
+                        k,
+                        f"{c[k]:.3f}",
+                        f"{c[k] / raw:.2f}x",
+                        f"{c[k] / c[st]:.2f}x",
+                        "<= 1.2x raw, <= 1.0x safetensors" if k == "fast" else "",
+                    ]
+                    for k in c
+                ],
+            ),
+        ]
+    s = {k: median(v) for k, v in res["save"].items()}
+    o = {k: median(v) for k, v in one.items() if isinstance(v, list)}
+    lines += [
+        "",
+        f"One tensor with `mmap=True` ({one['bytes'] / 1e6:.1f} MB, warm): stepvault "
+        f"{o['stepvault'] * 1e3:.2f} ms, `safe_open` {o['safe_open'] * 1e3:.2f} ms: "
+        f"**{o['stepvault'] / o['safe_open']:.2f}x** (target <= 2x).",
+        "",
+        f"Save of the same state into a fresh store: {s['with sums']:.2f} s with the segment "
+        f"checksums, {s['without sums']:.2f} s without "
+        f"({s['with sums'] / s['without sums']:.2f}x).",
+    ]
+    if res.get("s3"):
+        s3 = {k: median(v) for k, v in res["s3"].items()}
+        lines += [
+            "",
+            f"From the S3 tier (moto's server on 127.0.0.1, {s3['bytes'] / 1e6:.0f} MB): "
+            f"stepvault restore {s3['stepvault restore']:.2f} s (verified, ranged GETs in "
+            f"parallel), one plain sequential GET per object {s3['plain sequential GET']:.2f} s "
+            f"({s3['stepvault restore'] / s3['plain sequential GET']:.2f}x).",
+        ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
