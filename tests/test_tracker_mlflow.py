@@ -334,3 +334,79 @@ def test_a_hanging_tracker_neither_stalls_saves_nor_holds_close(tmp_path, monkey
     assert sorted(e["step"] for e in events if e["event"] == "tracker_failed") == [1, 2, 3]
     assert not [e for e in events if e["event"] == "tracker_ref"]
     assert stepvault.restore(root, _state(3), run="r").step == 3
+
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+    reason="needs chromium and chromium-driver (apt-get install -y chromium chromium-driver)",
+)
+def test_the_mlflow_ui_lists_stepvault_checkpoints(tracking, tmp_path):
+    """The MLflow UI of the test server, in headless Chromium, lists one model per
+    checkpoint with its metrics and the registered version. With
+    ``STEPVAULT_MLFLOW_SCREENSHOT=docs/mlflow-ui.png`` it saves the screenshot of
+    docs/mlflow-ui.png."""
+    pytest.importorskip("selenium")
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager download
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, _ = tracking
+    root = tmp_path / "ckpts"
+    experiment = mlflow.set_experiment("llm-pretrain")
+    state = _state(0)
+    with mlflow.start_run(run_name="exp1"):
+        mgr = stepvault.CheckpointManager(
+            root,
+            run="exp1",
+            save=stepvault.Every(steps=100),
+            options=ManagerOptions(hooks=(MLflowTracker(),)),
+        )
+        _train(state, mgr, range(500))
+        mgr.close()
+    promote(root, "pretrain-ckpt", "exp1@400", "champion")
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-dev-shm-usage",
+        "--window-size=1900,700",
+    ):
+        opts.add_argument(flag)
+    opts.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    page = f"{url}/#/experiments/{experiment.experiment_id}/models"
+    try:
+        driver.get(page)
+        wait = WebDriverWait(driver, 90)
+        # A fresh profile opens MLflow 3's GenAI view; the checkpoints are "Model training"
+        toggle = wait.until(
+            lambda d: d.find_elements(By.XPATH, "//*[normalize-space(text())='Model training']")
+        )
+        toggle[0].click()
+        driver.get(page)
+        names = [f"exp1-{s}" for s in (100, 200, 300, 400, 500)]
+        wait.until(lambda d: all(n in d.find_element(By.TAG_NAME, "body").text for n in names))
+        for button in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
+            button.click()  # the assistant's side panel: the table gets the width
+        # the registered version and the metrics linked to each checkpoint are columns
+        for text in ("pretrain-ckpt", "val_loss"):
+            wait.until(lambda d, t=text: t in d.find_element(By.TAG_NAME, "body").text)
+        target = os.environ.get("STEPVAULT_MLFLOW_SCREENSHOT")
+        if target:
+            time.sleep(1)  # let the table settle (fonts, column widths)
+            driver.save_screenshot(target)
+    finally:
+        driver.quit()

@@ -127,7 +127,6 @@ LOCATED_PREFIX = "stepvault:"
 TRACKER_SCHEMES = {
     "models:/": ("stepvault.integrations.mlflow", "mlflow"),
     "runs:/": ("stepvault.integrations.mlflow", "mlflow"),
-    "wandb-artifact://": ("stepvault.integrations.wandb", "wandb"),
 }
 
 
@@ -149,8 +148,8 @@ def located_ref(root: str, run: str, step: int) -> str:
 
 def parse_located_ref(text: str) -> LocatedRef:
     """``stepvault:ROOT#RUN@STEP``, or a tracker URI (``models:/NAME@ALIAS``,
-    ``models:/NAME/VERSION``, ``models:/MODEL_ID``, ``wandb-artifact://...``: resolved by
-    the tracker's integration), to the checkpoint it names."""
+    ``models:/NAME/VERSION``, ``models:/MODEL_ID``: resolved by the tracker's
+    integration), to the checkpoint it names."""
     source = text
     for prefix, (module, extra) in TRACKER_SCHEMES.items():
         if isinstance(text, str) and text.startswith(prefix):
@@ -166,8 +165,9 @@ def parse_located_ref(text: str) -> LocatedRef:
     if not (isinstance(text, str) and text.startswith(LOCATED_PREFIX) and "#" in text):
         raise InvalidNameError(
             f"bad checkpoint reference {source!r}: without run= give "
-            "stepvault:ROOT#RUN@STEP or a tracker URI (models:/NAME@ALIAS, "
-            "wandb-artifact://...); or pass the store root with run=RUN"
+            "stepvault:ROOT#RUN@STEP or an MLflow models:/ URI (a W&B artifact: "
+            "stepvault.integrations.wandb.checkpoint_uri(artifact)); or pass the store "
+            "root with run=RUN"
         )
     root, _, ref = text[len(LOCATED_PREFIX) :].rpartition("#")
     run, step = parse_ref(ref)

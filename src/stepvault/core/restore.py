@@ -115,9 +115,9 @@ def restore(
 
     Without ``run``, ``root`` is a reference that names its store and step: what a tracker
     recorded (``stepvault:ROOT#RUN@STEP``) or hands back (``models:/NAME@ALIAS``,
-    ``models:/NAME/VERSION`` or a LoggedModel's ``models:/ID`` from MLflow, a W&B
-    ``wandb-artifact://`` URI): that exact checkpoint, no fallback; a deleted or damaged
-    one is an error naming it and the run's checkpoints left (INTEGRATIONS.md).
+    ``models:/NAME/VERSION`` or a LoggedModel's ``models:/ID`` from MLflow): that exact
+    checkpoint, no fallback; a deleted or damaged one is an error naming it and the run's
+    checkpoints left (INTEGRATIONS.md).
     """
     located = None
     if run is None:

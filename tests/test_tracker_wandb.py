@@ -1,0 +1,163 @@
+"""Weights & Biases points at stepvault checkpoints (issue 32): the real ``wandb`` client
+in offline mode (no network) logs a reference-artifact version per committed checkpoint;
+the test reads back what it wrote to the offline run directory (the ``.wandb`` record
+log) and restores from the recorded reference bitwise.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+wandb = pytest.importorskip("wandb")
+
+import stepvault  # noqa: E402
+from stepvault.catalog.events import read_events  # noqa: E402
+from stepvault.integrations.wandb import WandbTracker, checkpoint_uri  # noqa: E402
+from stepvault.manager.options import ManagerOptions  # noqa: E402
+from stepvault.store import Store  # noqa: E402
+
+
+def offline_artifacts(run_dir: Path) -> list:
+    """The artifact records of an offline run's ``.wandb`` file.
+
+    The file is W&B's record log (LevelDB's log format: a 7-byte header, then 32 KiB
+    blocks of chunks, each ``crc32 | length | type`` then bytes; types FULL, FIRST,
+    MIDDLE, LAST), each record a ``wandb_internal_pb2.Record`` protobuf.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, records, partial = 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            pos += block - pos % block
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind == 2:
+            partial = chunk
+        elif kind == 3:
+            partial += chunk
+        elif kind == 4:
+            records.append(partial + chunk)
+    out = []
+    for raw in records:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "artifact":
+            out.append(record.artifact)
+    return out
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return tmp_path
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "step": 0}
+
+
+def test_each_checkpoint_is_a_reference_artifact_version(offline, tmp_path):
+    root = tmp_path / "ckpts"
+    state = _state(0)
+    run = wandb.init(project="stepvault-test", name="exp1", dir=str(offline))
+    tracker = WandbTracker(best_metric="val_loss")
+    mgr = stepvault.CheckpointManager(root, run="exp1", options=ManagerOptions(hooks=(tracker,)))
+    val = {1: 0.9, 2: 0.5, 3: 0.7, 4: 0.4}  # best at 2, then at 4
+    for step in range(1, 5):
+        x = torch.randn(8, 16)
+        loss = state["model"](x).square().mean()
+        state["optimizer"].zero_grad()
+        loss.backward()
+        state["optimizer"].step()
+        state["step"] = step
+        mgr.save(step, state, metrics={"val_loss": val[step]})
+    mgr.close()
+    run_dir = Path(run.dir).parent
+    run.finish()
+    assert [s for s, _, _ in tracker.recorded] == [1, 2, 3, 4], tracker.failed
+
+    store = Store.open(root)
+    records = {r.step: r for r in stepvault.open(root).checkpoints("exp1")}
+    arts = offline_artifacts(run_dir)
+    assert [a.name for a in arts] == ["stepvault-exp1"] * 4
+    by_step = {}
+    for a in arts:
+        (entry,) = a.manifest.contents
+        step = int(entry.ref.rpartition("@")[2])
+        by_step[step] = (a, entry)
+    for step, (a, entry) in by_step.items():
+        assert a.type == "model"
+        assert entry.path == "checkpoint"
+        assert entry.ref == f"stepvault:{store.backend.url}#exp1@{step}"
+        assert entry.digest == records[step].manifest_id  # the manifest's BLAKE3
+        assert entry.size == records[step].stored_bytes
+        assert f"step-{step}" in a.aliases and "latest" in a.aliases
+    assert "best" in by_step[2][0].aliases and "best" in by_step[4][0].aliases
+    assert "best" not in by_step[3][0].aliases and "best" in by_step[1][0].aliases
+
+    # What W&B recorded restores the checkpoint, bitwise.
+    fresh, reference = _state(1), _state(2)
+    assert stepvault.restore(by_step[2][1].ref, fresh).step == 2
+    stepvault.restore(root, reference, run="exp1", step=2)
+    for k, v in reference["model"].state_dict().items():
+        assert torch.equal(fresh["model"].state_dict()[k], v)
+
+    events = [e for e in read_events(store, "exp1") if e["event"] == "tracker_ref"]
+    assert [(e["step"], e["tracker"]) for e in events] == [(s, "wandb") for s in (1, 2, 3, 4)]
+    assert events[0]["ref"] == "wandb-artifact:///stepvault-test/stepvault-exp1:step-1"
+
+
+def test_checkpoint_uri_of_a_logged_artifact_and_a_foreign_one(offline, tmp_path):
+    root = tmp_path / "ckpts"
+    stepvault.save(root, _state(0), run="r", step=7)
+    uri = f"stepvault:{Store.open(root).backend.url}#r@7"
+    art = wandb.Artifact("stepvault-r", type="model")
+    art.add_reference(uri, name="checkpoint", checksum=False)
+    assert checkpoint_uri(art) == uri
+    foreign = wandb.Artifact("weights", type="model")
+    foreign.add_reference("https://example.invalid/w.bin", name="w.bin", checksum=False)
+    with pytest.raises(stepvault.errors.StepvaultError, match="not logged by stepvault"):
+        checkpoint_uri(foreign)
+
+
+def test_a_failing_wandb_run_records_tracker_failed_and_training_goes_on(offline, tmp_path):
+    """The run was finished under the hook (its service gone): every record fails after
+    its retries, each is a tracker_failed event, and every save commits."""
+    run = wandb.init(project="stepvault-test", dir=str(offline))
+    run.finish()
+    tracker = WandbTracker(run=run, retries=1, backoff=0.01)
+    root = tmp_path / "ckpts"
+    state = _state(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mgr = stepvault.CheckpointManager(root, run="r", options=ManagerOptions(hooks=(tracker,)))
+        for step in (1, 2):
+            state["step"] = step
+            mgr.save(step, state)
+        mgr.close()
+    events = read_events(Store.open(root), "r")
+    assert [e["step"] for e in events if e["event"] == "save"] == [1, 2]
+    failed = [e for e in events if e["event"] == "tracker_failed"]
+    assert [(e["step"], e["tracker"]) for e in failed] == [(1, "wandb"), (2, "wandb")]
+    assert stepvault.restore(root, _state(3), run="r").step == 2
