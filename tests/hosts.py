@@ -59,7 +59,8 @@ class Job:
 
     def __init__(self, cluster: netns.Cluster, root: str, out: Path, *, steps: int,
                  per_host: int = 1, disk_every: int = 3, sleep: float = 0.1, launch: int = 0,
-                 timeout: float = 20.0, env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 timeout: float = 20.0, env: dict[str, str] | None = None,
+                 width: int = 0) -> None:  # fmt: skip
         self.cluster, self.out, self.launch = cluster, out, launch
         hosts = cluster.hosts
         endpoint = f"{hosts[0].address}:29400"
@@ -81,7 +82,7 @@ class Job:
                 f"--rdzv-id=job{launch}", "--max-restarts=0", "--monitor-interval=0.5",
                 str(TESTS / "hosts_job.py"), "--root", root, "--out", str(out),
                 "--steps", str(steps), "--disk-every", str(disk_every), "--sleep", str(sleep),
-                "--launch", str(launch), "--timeout", str(timeout),
+                "--launch", str(launch), "--timeout", str(timeout), "--width", str(width),
             ]  # fmt: skip
             self.procs.append(host.popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT))
         self.world = len(hosts) * per_host
@@ -122,13 +123,102 @@ class Job:
             host.kill(wipe=False)
 
 
+class S3Host:
+    """moto's S3 server on the cluster's ``s3`` host, behind :class:`~netns.FaultyTCP`
+    (latency, resets) on the same host; :meth:`conditions` sets the faults and a ``tc tbf``
+    cap on what the S3 host sends. Jobs reach it at :attr:`endpoint` (the proxy)."""
+
+    PORT, PROXY_PORT = 5000, 5001
+
+    def __init__(self, cluster: netns.Cluster) -> None:
+        assert cluster.s3 is not None, "make the cluster with s3=True"
+        self.cluster, self.host = cluster, cluster.s3
+        self.endpoint = f"http://{self.host.address}:{self.PROXY_PORT}"
+        code = (
+            "import logging, os, time\n"
+            "from moto.server import ThreadedMotoServer\n"
+            "logging.getLogger('werkzeug').setLevel(logging.ERROR)\n"
+            f"s = ThreadedMotoServer(ip_address='0.0.0.0', port={self.PORT}, verbose=False)\n"
+            "s.start()\n"
+            "import boto3\n"
+            f"boto3.client('s3', endpoint_url='http://127.0.0.1:{self.PORT}', "
+            "region_name='us-east-1').create_bucket(Bucket='ckpt')\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(1e9)\n"
+        )
+        env = {**os.environ, **S3_ENV}
+        self.server = self.host.popen([sys.executable, "-c", code], env=env,
+                                      stdout=subprocess.PIPE)  # fmt: skip
+        assert self.server.stdout is not None
+        if self.server.stdout.readline().strip() != b"ready":
+            raise RuntimeError("moto did not start on the s3 host")
+        self.proxy: subprocess.Popen[bytes] | None = None
+        self.conditions()
+
+    def conditions(self, *, delay: float = 0.0, reset: float = 0.0, rate: str | None = None,
+                   seed: int = 0) -> None:  # fmt: skip
+        """Restart the proxy with ``delay`` (mean seconds per forwarded read) and ``reset``
+        (fraction of connections cut), and cap the host's sending rate (None: no cap)."""
+        if self.proxy is not None:
+            self.proxy.kill()
+            self.proxy.wait()
+        argv = [sys.executable, str(TESTS / "netns.py"), "proxy", str(self.PROXY_PORT),
+                f"127.0.0.1:{self.PORT}", "--delay", str(delay), "--reset", str(reset),
+                "--seed", str(seed)]  # fmt: skip
+        self.proxy = self.host.popen(argv, stdout=subprocess.PIPE)
+        assert self.proxy.stdout is not None
+        if self.proxy.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the fault proxy did not start on the s3 host")
+        if rate is None:
+            self.host.uncap()
+        else:
+            self.host.cap(rate=rate)
+
+    def env(self) -> dict[str, str]:
+        """What a job needs to reach the store through the proxy."""
+        return {**S3_ENV, "AWS_ENDPOINT_URL": self.endpoint}
+
+    def stop(self) -> None:
+        for proc in (self.proxy, self.server):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def in_host(host: netns.Host, code: str, env: dict[str, str] | None = None) -> object:
+    """Run ``code`` (which prints one JSON value) in ``host``: stores on the S3 host are
+    reachable from the hosts only."""
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
+               **(env or {})}  # fmt: skip
+    got = subprocess.run(host.argv([sys.executable, "-c", code]), env=environ,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    if got.returncode != 0:
+        raise RuntimeError(f"in {host.name}: {got.stderr[-2000:]}")
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
 def steps_done(progress: list[str]) -> int:
     """The lowest step every rank has saved (-1 before any)."""
     steps = [int(p) if p.isdigit() else -1 for p in progress]
     return min(steps) if steps else -1
 
 
-def newest_on_disk(root: str) -> int | None:
+def newest_on_disk(root: str, via: tuple[netns.Host, dict[str, str]] | None = None) -> int | None:
+    """The newest step committed in the hot store (``via``: read from that host)."""
+    if via is not None:
+        code = (
+            "import json\nfrom stepvault.store import Store\n"
+            f"try: s = Store.open({root!r}).list_steps('r')\nexcept Exception: s = []\n"
+            "print(json.dumps(max(s, default=None)))"
+        )
+        return in_host(via[0], code, via[1])  # type: ignore[return-value]
     from stepvault.store import Store
 
     try:
@@ -162,8 +252,20 @@ def check_launch(outcome: Outcome, out: Path, launch: int, world: int, reference
                                   f"{disk_before} on disk")  # fmt: skip
 
 
-def check_store(outcome: Outcome, root: str) -> None:
-    """Every committed checkpoint verifies, deep."""
+def check_store(
+    outcome: Outcome, root: str, via: tuple[netns.Host, dict[str, str]] | None = None
+) -> None:
+    """Every committed checkpoint verifies, deep (``via``: checked from that host)."""
+    if via is not None:
+        code = (
+            "import json, stepvault\n"
+            f"r = stepvault.ops.verify({root!r}, deep=True)\n"
+            "print(json.dumps([r.ok, str(r)]))"
+        )
+        ok, text = in_host(via[0], code, via[1])  # type: ignore[misc]
+        if not ok:
+            outcome.corrupt.append(f"verify: {text}")
+        return
     import stepvault
     from stepvault.errors import StoreNotFoundError
 
@@ -179,18 +281,34 @@ def check_store(outcome: Outcome, root: str) -> None:
 def run_scenario(cluster: netns.Cluster, scenario: str, work: Path, *, steps: int = 24,
                  rng: random.Random | None = None, root: str | None = None,
                  per_host: int = 1, max_launches: int = 4, sleep: float = 0.1,
-                 job_env: dict[str, str] | None = None) -> Outcome:  # fmt: skip
+                 job_env: dict[str, str] | None = None,
+                 s3: S3Host | None = None) -> Outcome:  # fmt: skip
     """Run ``scenario`` once on ``cluster`` with random timing; see the module doc.
 
     Scenarios: ``kill_save`` (a host dies while saves and replication run), ``kill_restore``
     (a host dies while the relaunched job restores), ``partition`` (a host's link is down
-    for 0.5-4 s mid-training, then heals), ``none`` (no fault: the control)."""
+    for 0.5-4 s mid-training, then heals), ``s3_slow`` (the hot store on the S3 host
+    behind a proxy adding latency and connection resets and a ``tbf`` bandwidth cap, and a
+    host killed mid-run; needs ``s3``), ``none`` (no fault: the control)."""
     from hosts_job import reference as replay
 
     rng = rng or random.Random()
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
+    via = None
+    if scenario == "s3_slow":
+        if s3 is None:
+            raise ValueError("the s3_slow scenario needs an S3Host (a cluster with s3=True)")
+        root = f"s3://ckpt/{work.name}-{rng.randrange(1 << 30):x}"
+        s3.conditions(
+            delay=rng.uniform(0.0, 0.01),
+            reset=rng.uniform(0.0, 0.05),
+            rate=f"{rng.choice([20, 50, 100])}mbit",
+            seed=rng.randrange(1 << 30),
+        )
+        job_env = {**(job_env or {}), **s3.env()}
+        via = (cluster.hosts[0], s3.env())
     root = root or str(work / "hot")
     for host in cluster.hosts:  # fresh machines: nothing in memory
         host.kill(wipe=True)
@@ -200,14 +318,14 @@ def run_scenario(cluster: netns.Cluster, scenario: str, work: Path, *, steps: in
     victim = cluster.hosts[rng.randrange(1, len(cluster.hosts)) if len(cluster.hosts) > 1 else 0]
     fault_done = scenario == "none"
     for launch in range(max_launches):
-        disk_before = newest_on_disk(root)
+        disk_before = newest_on_disk(root, via)
         for f in work.glob("progress-*"):
             f.unlink()
         job = Job(cluster, root, work, steps=steps, per_host=per_host, launch=launch,
                   sleep=sleep, env=job_env)  # fmt: skip
         outcome.launches += 1
         ended = False
-        if not fault_done and scenario == "kill_save":
+        if not fault_done and scenario in ("kill_save", "s3_slow"):
             at = rng.randint(2, steps - 4)
             if job.wait_for(lambda p, at=at: steps_done(p) >= at, 180):
                 time.sleep(rng.uniform(0, 2 * sleep))  # mid-save, mid-replication
@@ -246,8 +364,8 @@ def run_scenario(cluster: netns.Cluster, scenario: str, work: Path, *, steps: in
             break
     else:
         outcome.broken.append(f"the job did not finish in {max_launches} launches")
-    check_store(outcome, root)
+    check_store(outcome, root, via)
     return outcome
 
 
-__all__ = ["Job", "Outcome", "run_scenario"]
+__all__ = ["Job", "Outcome", "S3Host", "run_scenario"]

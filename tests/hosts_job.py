@@ -36,10 +36,23 @@ def digest(state: dict) -> str:
     return h.hexdigest()
 
 
-def reference(steps: int) -> list[str]:
+def make(width: int) -> dict:
+    """The job's state: the replication tests' small model, or (``width`` > 0) two
+    ``width`` x ``width`` layers (a benchmark's size: 16 bytes per parameter with momentum)."""
+    if not width:
+        return make_state(0)
+    torch.manual_seed(1000)
+    model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(),
+                                torch.nn.Linear(width, width), torch.nn.Tanh(),
+                                torch.nn.Linear(width, 8))  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return {"model": model, "opt": opt, "extra": {"seen": 0}}
+
+
+def reference(steps: int, width: int = 0) -> list[str]:
     """Digests of the uninterrupted run after each step (index 0: the fresh state)."""
     torch.set_num_threads(1)
-    state = make_state(0)
+    state = make(width)
     out = [digest(state)]
     for step in range(1, steps + 1):
         train_step(state, 0, step)
@@ -56,6 +69,7 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.1, help="seconds per training step")
     p.add_argument("--launch", type=int, default=0)
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout (s)")
+    p.add_argument("--width", type=int, default=0, help="a bigger model (see make)")
     args = p.parse_args()
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -77,11 +91,14 @@ def main() -> None:
         tier_policy=CopyEvery("hot", steps=args.disk_every),
         lineage=False,
     )
-    state = make_state(0)
+    state = make(args.width)
     (out / f"progress-{rank}").write_text("restoring")
+    t0 = time.perf_counter()
     info = mgr.restore(state)
+    seconds = time.perf_counter() - t0
     start = info.step if info is not None else 0
-    doc = {"step": start, "tier": info.tier if info else None, "digest": digest(state)}
+    doc = {"step": start, "tier": info.tier if info else None, "digest": digest(state),
+           "seconds": seconds}  # fmt: skip
     (out / f"restore-{args.launch}-{rank}.json").write_text(json.dumps(doc))
     for step in range(start + 1, args.steps + 1):
         train_step(state, 0, step)

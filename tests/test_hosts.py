@@ -70,3 +70,24 @@ def test_job_across_hosts_survives(tmp_path, scenario):
     assert outcome.ok, (seed, outcome)
     if scenario != "partition":  # a relaunch restored (own memory, the buddy's, or disk)
         assert outcome.launches >= 2 and any(step > 0 for step, _ in outcome.restored), outcome
+
+
+@pytest.mark.slow
+def test_job_with_its_store_behind_a_slow_lossy_link_survives_a_host_loss(tmp_path):
+    """The hot store on the S3 host (moto) behind a proxy that adds latency and resets
+    connections and a tbf bandwidth cap; a training host dies mid-run: the job resumes
+    (own memory, the buddy's or S3) and ends bitwise at the reference; S3 verifies."""
+    from hosts import S3Host, run_scenario
+
+    pytest.importorskip("moto", reason="the S3 host runs moto: pip install 'stepvault[dev]'")
+    pytest.importorskip("s3fs", reason="S3 needs s3fs: pip install 'stepvault[s3]'")
+    seed = random.randrange(1 << 30)
+    with netns.Cluster(2, s3=True) as cluster:
+        s3 = S3Host(cluster)
+        try:
+            outcome = run_scenario(cluster, "s3_slow", tmp_path / "w", steps=12,
+                                   rng=random.Random(seed), s3=s3)  # fmt: skip
+        finally:
+            s3.stop()
+    assert outcome.ok, (seed, outcome)
+    assert outcome.launches >= 2 and any(step > 0 for step, _ in outcome.restored), outcome

@@ -1,0 +1,141 @@
+"""The fault campaign across namespaced hosts (issue 33), counted.
+
+Runs the scenarios of ``tests/hosts.py`` (a host killed during saves and replication or
+during a restore, a host's link partitioned, the S3 host behind a slow, lossy link) with
+random timing, for a number of trials or minutes, on hosts made once by
+``tests/netns.py`` (root, Linux namespaces), and appends one row per scenario to the
+campaign table of RELIABILITY.md: trials, broken resumes, undetected corruptions, where
+the restores came from, minutes.
+
+    python scripts/campaign_hosts.py --minutes 30              # every scenario, in turn
+    python scripts/campaign_hosts.py --trials 40 --scenarios kill_save,partition
+    python scripts/campaign_hosts.py --trials 4 --no-table     # a sample, nothing written
+
+A broken resume is a restore or a final state that differs from the uninterrupted replay,
+ranks that restored different steps, a restore older than the newest checkpoint on disk,
+or a job that did not finish in its launches; an undetected corruption is a committed
+checkpoint that ``verify --deep`` rejects. Each failed trial's directory is kept (and
+named) under ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "src")]
+
+import hosts  # noqa: E402
+import netns  # noqa: E402
+
+SCENARIOS = ["kill_save", "kill_restore", "partition", "s3_slow"]
+END = "<!-- campaign_hosts:end -->"  # right after the campaign table's last row
+
+
+def append_rows(path: Path, rows: list[str]) -> None:
+    """Insert ``rows`` at the end of the campaign table (before its end marker)."""
+    text = path.read_text()
+    if END not in text:
+        raise SystemExit(f"{path} has no campaign table (the {END} marker after it)")
+    head, tail = text.split(END, 1)
+    path.write_text(head + "".join(r + "\n" for r in rows) + END + tail)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--trials", type=int, default=None, help="trials in all (default: by time)")
+    p.add_argument("--minutes", type=float, default=None, help="stop starting trials after this")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--hosts", type=int, default=2, help="2-4 training hosts")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--work", default="/tmp/stepvault-campaign-hosts")
+    p.add_argument("--table", default=str(REPO / "RELIABILITY.md"))
+    p.add_argument("--no-table", action="store_true", help="print the counts only")
+    p.add_argument("--json", default=None, help="also write the counts and each trial here")
+    args = p.parse_args()
+    if args.trials is None and args.minutes is None:
+        p.error("give --trials N or --minutes M")
+    reason = netns.unavailable()
+    if reason:
+        print(f"campaign_hosts: cannot make hosts here: {reason}", file=sys.stderr)
+        return 2
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        p.error(f"unknown scenarios {unknown}; choose from {SCENARIOS}")
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    counts: dict[str, Counter[str]] = {s: Counter() for s in scenarios}
+    trials: list[dict] = []
+    t0 = time.monotonic()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    with netns.Cluster(args.hosts, s3="s3_slow" in scenarios) as cluster:
+        s3 = hosts.S3Host(cluster) if "s3_slow" in scenarios else None
+        try:
+            n = 0
+            while True:
+                if args.trials is not None and n >= args.trials:
+                    break
+                if args.minutes is not None and time.monotonic() - t0 > 60 * args.minutes:
+                    break
+                scenario = scenarios[n % len(scenarios)]
+                trial_seed = rng.randrange(1 << 30)
+                folder = work / f"trial-{n:05d}-{scenario}"
+                began = time.monotonic()
+                outcome = hosts.run_scenario(
+                    cluster, scenario, folder, steps=args.steps, rng=random.Random(trial_seed),
+                    s3=s3,
+                )  # fmt: skip
+                c = counts[scenario]
+                c["trials"] += 1
+                c["broken"] += bool(outcome.broken)
+                c["corrupt"] += bool(outcome.corrupt)
+                c["seconds"] += round(time.monotonic() - began)
+                for _, tier in outcome.restored:
+                    c[f"from:{tier or 'fresh'}"] += 1
+                trials.append({"n": n, "scenario": scenario, "seed": trial_seed,
+                               "ok": outcome.ok, "broken": outcome.broken,
+                               "corrupt": outcome.corrupt, "notes": outcome.notes,
+                               "restored": outcome.restored})  # fmt: skip
+                status = "ok" if outcome.ok else f"FAILED (kept in {folder})"
+                print(f"[{n}] {scenario} seed {trial_seed}: {status} {outcome.notes} "
+                      f"restored {outcome.restored}", flush=True)  # fmt: skip
+                if outcome.ok:
+                    shutil.rmtree(folder, ignore_errors=True)
+                n += 1
+        finally:
+            if s3 is not None:
+                s3.stop()
+    minutes = (time.monotonic() - t0) / 60
+    rows = []
+    for scenario, c in counts.items():
+        if not c["trials"]:
+            continue
+        sources = ", ".join(f"{k[5:]} {v}" for k, v in sorted(c.items()) if k.startswith("from:"))
+        rows.append(
+            f"| {started:%Y-%m-%d} | {scenario} | {args.hosts} | {c['trials']} | {c['broken']} "
+            f"| {c['corrupt']} | {sources} | {c['seconds'] / 60:.1f} | seed {seed} |"
+        )
+    print("\n".join(rows))
+    print(f"{sum(c['trials'] for c in counts.values())} trials in {minutes:.1f} min")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"seed": seed, "trials": trials}, indent=1))
+    if not args.no_table and rows:
+        append_rows(Path(args.table), rows)
+        print(f"appended {len(rows)} rows to {args.table}")
+    return 1 if any(c["broken"] or c["corrupt"] for c in counts.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
