@@ -21,6 +21,8 @@ Runs, each in its own process (one crash does not lose the others' sections):
 - ``bench_pipeline.py``     saves/s into a run of 10k checkpoints vs a fresh one, manifests
                             read by a retention save, requests per save, GC's mark,
                             parses and broadcasts of a 2-rank restore, mem-tier hashing
+- ``bench_hosts.py``        namespaced hosts: resume after a host loss from buddy memory,
+                            disk or S3; replication lag with and without a bandwidth cap
 - ``bench_restore.py``      issue 31: verification CPU per checksum, warm/cold restore vs
                             safetensors and a parallel raw read, one tensor vs safe_open,
                             save with/without segment checksums, restore from S3
@@ -105,6 +107,8 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "tiers": ([], ["--size-mb", "8", "--steps", "20"]),
     "mem": (["--repeats", "3"], ["--size-mb", "8", "--repeats", "1", "--no-s3"]),
     "resume": ([], ["--size-mb", "8", "--repeats", "1"]),
+    # namespaced hosts (root): resume after a host loss, replication lag
+    "hosts": (["--repeats", "2"], ["--width", "256", "--repeats", "1", "--cases", "buddy"]),
     "pipeline": (
         [],
         [
