@@ -216,9 +216,11 @@ class TrackerHook:
     def _one(self, context: HookContext, step: int) -> None:
         delay = self.backoff
         error = ""
+        ckpt: CommittedCheckpoint | None = None
         for attempt in range(self.retries + 1):
             try:
-                ckpt = committed_checkpoint(context.store, context.run, step)
+                if ckpt is None:  # read once: a retry repeats the tracker's calls only
+                    ckpt = committed_checkpoint(context.store, context.run, step)
                 ref, name = self.record(ckpt)
             except Exception as exc:  # the tracker's own errors vary; every one is retried
                 error = f"{type(exc).__name__}: {exc}"

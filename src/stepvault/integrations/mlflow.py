@@ -85,6 +85,7 @@ class MLflowTracker(TrackerHook):
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self._experiment_id: str | None = None
+        self._client: MlflowClient | None = None
 
     def setup(self, context: HookContext) -> None:
         # The active run and the tracking URI are thread-local in MLflow: read them here,
@@ -102,7 +103,12 @@ class MLflowTracker(TrackerHook):
             self._experiment_id = active.info.experiment_id
 
     def client(self) -> MlflowClient:
-        return MlflowClient(tracking_uri=self.tracking_uri)
+        # One client for the hook's life: making one resolves the tracking store (a scan
+        # of the installed plugins), Python work that would contend for the GIL with the
+        # training thread on every try.
+        if self._client is None:
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
 
     def record(self, ckpt: CommittedCheckpoint) -> tuple[str, str]:
         from mlflow.entities import Metric
