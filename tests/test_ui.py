@@ -435,4 +435,5 @@ def test_damage_found_after_a_page_was_shown_appears_once_the_memo_expires(
     data[-4] ^= 1  # same size, same listing: the change token cannot see it
     path.write_bytes(bytes(data))
     monkeypatch.setattr(ui_app, "MEMO_SECONDS", 0.0)
+    monkeypatch.setattr(ui_app, "RECHECK_SECONDS", 0.0)
     assert "checksum" in client.get(f"/api/runs/{RUN}").json()["checkpoints"][0]["error"]

@@ -16,10 +16,14 @@ URL parts reach the store only through its validators (run names, steps).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
+import gc
+import gzip
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,9 @@ RUN_TABLE_ROWS = data.TABLE_ROWS
 MEMO_ENTRIES = 64
 #: Seconds a page result is reused at most, even when the store's change token is the same.
 MEMO_SECONDS = 30.0
+#: Seconds between two full re-reads of every manifest and event (in between, only new
+#: ones are read): damage done to a manifest after it was shown appears within this time.
+RECHECK_SECONDS = 300.0
 
 
 def _when(ts: Any) -> Markup:
@@ -150,8 +157,11 @@ class Dashboard:
         # byte changing inside a file (damage): entries also expire after MEMO_SECONDS.
         if hit is not None and hit[0] == token and time.monotonic() - hit[1] < MEMO_SECONDS:
             return hit[2]
+        if time.monotonic() - self.reader.records_born >= RECHECK_SECONDS:
+            self.reader.forget_records()  # re-read (and re-verify) every manifest now and then
         started = time.monotonic()
-        doc = fn(*args)
+        with _gc_paused():
+            doc = fn(*args)
         if len(self._cache) >= MEMO_ENTRIES:
             self._cache.clear()
         self._cache[key] = (token, started, doc)
@@ -180,7 +190,7 @@ class Dashboard:
 
     async def run_page(self, request: Request) -> Response:
         run = request.path_params["run"]
-        doc = await self._call(data.run_detail, self.reader, run)
+        doc = (await self._call(data.run_state, self.reader, run)).doc
         page_text = request.query_params.get("page", "0")
         step_text = request.query_params.get("step", "").strip()
         page = data.parse_step(page_text) if page_text else 0
@@ -232,9 +242,17 @@ class Dashboard:
         only what changed since: a live page's update is a few hundred bytes per save."""
         run = request.path_params["run"]
         since = request.query_params.get("since")
-        if since is None:
-            return JSONResponse(await self._call(data.run_detail, self.reader, run))
         state = await self._call(data.run_state, self.reader, run)
+        if since is None:
+            # encoded once per change of the run, however many tabs load it
+            if state.encoded is None:
+                state.encoded = await asyncio.to_thread(_encode, state.doc)
+            if "gzip" in request.headers.get("accept-encoding", ""):
+                if state.gzipped is None:
+                    state.gzipped = await asyncio.to_thread(gzip.compress, state.encoded, 6)
+                headers = {"content-encoding": "gzip", "vary": "Accept-Encoding"}
+                return Response(state.gzipped, media_type="application/json", headers=headers)
+            return Response(state.encoded, media_type="application/json")
         return JSONResponse(data.run_delta(state, since))
 
     async def api_runs(self, request: Request) -> Response:
@@ -319,9 +337,34 @@ class Dashboard:
         return handle
 
 
-def _warm_up() -> None:
-    import contextlib
+_gc_lock = threading.Lock()
+_gc_users = 0
 
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a page's data is built: a long run's page makes
+    ~100,000 small objects and no cycles, and the collector's passes over them were half of
+    its time. Re-enabled when the last computation in flight ends."""
+    global _gc_users
+    with _gc_lock:
+        _gc_users += 1
+        if _gc_users == 1:
+            gc.disable()
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_users -= 1
+            if _gc_users == 0:
+                gc.enable()
+
+
+def _encode(doc: Any) -> bytes:
+    return json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _warm_up() -> None:
     with contextlib.suppress(Exception):
         import stepvault.ops.gc  # noqa: F401
 

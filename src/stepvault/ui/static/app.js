@@ -70,6 +70,7 @@ function markers(label, color, size) {
 
 // Charts of one run page, kept across live updates.
 const charts = {timeline: null, metrics: {}, saves: null};
+window.stepvaultCharts = charts;  // for a look from the browser's console (and the tests)
 let runDoc = null;        // the run's data as the page has it
 let compareDoc = null;    // another run's data, overlaid on the metric curves
 let logScale = false;
