@@ -53,6 +53,11 @@ PREFIX = "stepvault:"
 MODEL_KEY = "model"
 LIGHTNING_KEY = "lightning"
 
+#: Lightning strategies that shard the model and whose save/load the callback takes over:
+#: every rank writes its shards through a collective manager (INTEGRATIONS.md, "Sharded
+#: strategies").
+SHARDED_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy")
+
 
 def _parse(path: Any) -> int | Literal["latest", "best"] | None:
     """The step a ``stepvault:...`` path names, or None for any other path."""
@@ -187,8 +192,12 @@ class CheckpointMixin:
     Under DDP (``strategy="ddp"``) global rank 0 holds the manager (rank-local, with the
     run's lease) and writes, as Lightning writes its own checkpoints; its save policy
     decides for every rank; every rank's RNG state goes into the checkpoint; on resume
-    rank 0 chooses the checkpoint and every rank loads that one. Strategies that shard
-    the model (FSDP, DeepSpeed, model parallel) are refused.
+    rank 0 chooses the checkpoint and every rank loads that one. Under
+    ``ModelParallelStrategy`` (FSDP2/DTensor) and ``FSDPStrategy`` (with a ``device_mesh``)
+    every rank holds a collective manager and the callback takes over the strategy's own
+    ``save_checkpoint``/``load_checkpoint`` of ``stepvault:`` paths: every rank writes and
+    restores its own shards (INTEGRATIONS.md, "Sharded strategies"). DeepSpeed and other
+    strategies that write their own files are refused.
     """
 
     #: The Lightning package (``lightning.pytorch`` or ``pytorch_lightning``) and the
@@ -233,6 +242,9 @@ class CheckpointMixin:
         self._deferred: BaseException | None = None
         self._signals = PolicySignals(self.save_policy)
         self._prepare_staging = StagingPreparer()
+        #: a sharding strategy (SHARDED_STRATEGIES): a collective manager on every rank
+        self._sharded = False
+        self._untake: Any = None  # undoes _take_over
 
     # ------------------------------------------------------------------ Lightning paths
     @property
@@ -275,8 +287,12 @@ class CheckpointMixin:
     # ------------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if trainer.world_size > 1:
+        self._sharded = self._sharding_strategy(strategy)
+        if trainer.world_size > 1 and not self._sharded:
             self._check_strategy(strategy)
+        if self._sharded and self._untake is None:
+            _check_fsdp_mesh(strategy)
+            self._untake = self._take_over(strategy)
         if not isinstance(strategy.checkpoint_io, CheckpointIOMixin):
             self._io = self._io_class(self, strategy.checkpoint_io)
             strategy.checkpoint_io = self._io  # type: ignore[assignment]  # a CheckpointIO subclass
@@ -289,26 +305,94 @@ class CheckpointMixin:
         options = dict(self.manager_options)
         if trainer.max_steps and trainer.max_steps > 0:
             options.setdefault("total_steps", trainer.max_steps)  # lets LastStep() fire
-        # Lightning writes checkpoints on global rank 0 only (Strategy.save_checkpoint), so
-        # only rank 0 has a manager; the other ranks take its decisions (on_train_batch_end).
-        open_manager_on_rank0(self, options)
+        if self._sharded:
+            # Every rank writes its own shards: a collective manager on every rank (its
+            # save policy's decisions are agreed across the ranks by the manager).
+            self.manager = CheckpointManager(
+                self.root,
+                self.run,
+                save=self.save_policy,
+                keep=self.keep_policy,
+                async_save=self.async_save,
+                **options,
+            )
+        else:
+            # Lightning writes checkpoints on global rank 0 only (Strategy.save_checkpoint),
+            # so only rank 0 has a manager; the other ranks take its decisions
+            # (on_train_batch_end).
+            open_manager_on_rank0(self, options)
         self._prepare_staging.reset()
         if self.manager is None:
             self._signals.install()  # the other ranks survive a preemption notice
 
+    def _sharding_strategy(self, strategy: Any) -> bool:
+        """Whether ``strategy`` shards the model and is one whose save and load this
+        callback takes over (``ModelParallelStrategy``: FSDP2/DTensor; ``FSDPStrategy``)."""
+        kinds = tuple(
+            getattr(self._pl.strategies, name)
+            for name in SHARDED_STRATEGIES
+            if hasattr(self._pl.strategies, name)
+        )
+        return isinstance(strategy, kinds)
+
     def _check_strategy(self, strategy: Any) -> None:
-        """Several processes: only strategies that save a full, replicated checkpoint
-        through the CheckpointIO on rank 0 (DDP and its variants) are supported."""
+        """Several processes: strategies that save a full, replicated checkpoint through
+        the CheckpointIO on rank 0 (DDP and its variants), and the sharding strategies of
+        :data:`SHARDED_STRATEGIES` (taken over by :meth:`_take_over`)."""
         base = self._pl.strategies.Strategy
         if type(strategy).save_checkpoint is not base.save_checkpoint:
-            raise StepvaultError(
-                f"StepvaultCheckpoint does not support {type(strategy).__name__} with several "
-                "processes: it shards the model or writes its own checkpoint files, and a "
-                "checkpoint written from rank 0 alone would miss the other ranks' shards. Use "
-                'strategy="ddp" (or "ddp_spawn"); for a sharded model (FSDP2/DTensor), save '
-                "with a stepvault.CheckpointManager called on every rank from your own loop "
-                "(see INTEGRATIONS.md)"
+            name = type(strategy).__name__
+            why = (
+                "DeepSpeed writes its own ZeRO partition files through its engine, which "
+                "stepvault does not drive yet"
+                if "DeepSpeed" in name
+                else "it shards the model or writes its own checkpoint files, and a "
+                "checkpoint written from rank 0 alone would miss the other ranks' shards"
             )
+            raise StepvaultError(
+                f"StepvaultCheckpoint does not support {name} with several processes: {why}. "
+                'Use strategy="ddp" (or "ddp_spawn"), or for a sharded model '
+                "ModelParallelStrategy (FSDP2/DTensor) or FSDPStrategy (see INTEGRATIONS.md, "
+                '"Sharded strategies")'
+            )
+
+    def _take_over(self, strategy: Any) -> Any:
+        """Route the strategy's own ``save_checkpoint``/``load_checkpoint`` of
+        ``stepvault:`` paths through this callback; returns the function that undoes it.
+
+        A sharding strategy never hands a sharded save to its ``CheckpointIO`` (it writes
+        its DCP directory itself on every rank), so the ``stepvault:`` paths are taken at
+        the strategy: every rank saves its shards through the collective manager and
+        loads them back in place. Other paths go to the strategy's own methods.
+        """
+        own_save, own_load = strategy.save_checkpoint, strategy.load_checkpoint
+
+        def save_checkpoint(
+            checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+        ) -> None:
+            step = _parse(filepath)
+            if step is None:
+                own_save(checkpoint, filepath, storage_options=storage_options)
+                return
+            if not isinstance(step, int):
+                raise ValueError(f"save to {PREFIX}<step>, not {filepath!r}")
+            self._store_sharded(checkpoint, step, strategy)
+
+        def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+            step = _parse(checkpoint_path)
+            if step is None:
+                return own_load(checkpoint_path, weights_only=weights_only)
+            return self._load_sharded(step, strategy)
+
+        # Instance attributes shadow the class's methods; deleting them restores those.
+        strategy.save_checkpoint = save_checkpoint
+        strategy.load_checkpoint = load_checkpoint
+
+        def undo() -> None:
+            for name in ("save_checkpoint", "load_checkpoint"):
+                strategy.__dict__.pop(name, None)
+
+        return undo
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Restored (or fresh) step: a boundary already behind us.
@@ -320,6 +404,8 @@ class CheckpointMixin:
                 mgr.total_steps = int(total)
         # After a resume has loaded the optimizers: the first due save only copies.
         self._prepare_staging(mgr, _bulk(trainer, pl_module))
+        if self._sharded:
+            _without_sigterm_collective(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning stores no RNG state; this callback adds Python/numpy/torch RNGs so
@@ -380,7 +466,10 @@ class CheckpointMixin:
         progress = trainer.fit_loop.epoch_loop.batch_progress
         self._at_epoch_end = bool(getattr(progress, "is_last_batch", False))
         epoch = trainer.current_epoch + (1 if self._at_epoch_end else 0)
-        if trainer.world_size > 1:
+        if self._sharded:
+            # A collective manager on every rank: it agrees on the decision itself.
+            due = self.manager is not None and self.manager.should_save(step, epoch)
+        elif trainer.world_size > 1:
             # Rank 0 holds the manager and decides (clocks and signals differ between
             # ranks); every rank must then call trainer.save_checkpoint (it dumps the
             # state on every rank and ends with a barrier).
@@ -401,7 +490,7 @@ class CheckpointMixin:
             trainer.save_checkpoint(f"{PREFIX}{step}", weights_only=False)
         finally:
             self._due = None
-        if trainer.world_size > 1:
+        if trainer.world_size > 1 and not self._sharded:
             # A failure (or a preemption exit) of rank 0's save was kept until every rank
             # left save_checkpoint's barrier; now every rank raises (exits) together.
             deferred, self._deferred = self._deferred, None
@@ -430,6 +519,9 @@ class CheckpointMixin:
         if self._io is not None and trainer.strategy.checkpoint_io is self._io:
             trainer.strategy.checkpoint_io = self._io.wrapped  # the trainer without us again
         self._io = None
+        if self._untake is not None:
+            self._untake()
+            self._untake = None
 
     def _close(self, *, quiet: bool) -> None:
         self._signals.uninstall()
@@ -445,7 +537,13 @@ class CheckpointMixin:
     # ------------------------------------------------------------------ save and load
     def _split(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's checkpoint dict as a stepvault state (model weights + the rest)."""
-        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        rest = self._rest(checkpoint, ("state_dict",))
+        return {MODEL_KEY: _StateDictView(checkpoint.get("state_dict", {})), LIGHTNING_KEY: rest}
+
+    def _rest(self, checkpoint: dict[str, Any], drop: tuple[str, ...]) -> dict[str, Any]:
+        """Lightning's checkpoint dict without ``drop`` (what is stored apart), its
+        unencodable hyperparameters stringified when asked to."""
+        rest = {k: v for k, v in checkpoint.items() if k not in drop}
         hparams = rest.get("hyper_parameters")
         if isinstance(hparams, dict) and self.unsupported_hparams == "str":
             found: list[str] = []
@@ -455,9 +553,9 @@ class CheckpointMixin:
                     "stepvault: stored the repr of hyperparameters the safe encoding refuses: "
                     + ", ".join(found),
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
-        return {MODEL_KEY: _StateDictView(checkpoint.get("state_dict", {})), LIGHTNING_KEY: rest}
+        return rest
 
     def _store_checkpoint(self, checkpoint: dict[str, Any], step: int) -> None:
         """Called by the plugin with Lightning's checkpoint dict for ``stepvault:<step>``."""
@@ -469,11 +567,7 @@ class CheckpointMixin:
         due = self._due if self._due is not None and self._due[0] == step else None
         epoch = due[1] if due else checkpoint.get("epoch")
         metrics = due[2] if due else {}
-        metadata = {
-            "framework": "lightning",
-            "lightning_version": self._pl.__version__,
-            "stepvault_version": __version__,
-        }
+        metadata = self._metadata()
         try:
             try:
                 # A due save follows the policy's decision (its kind, urgency, exit); a
@@ -500,6 +594,93 @@ class CheckpointMixin:
             # Several processes: the other ranks wait in save_checkpoint's barrier; raising
             # here would leave them there. on_train_batch_end raises it on every rank.
             self._deferred = exc
+
+    def _metadata(self) -> dict[str, Any]:
+        return {
+            "framework": "lightning",
+            "lightning_version": self._pl.__version__,
+            "stepvault_version": __version__,
+        }
+
+    def _sharded_state(self, strategy: Any, rest: Any) -> dict[str, Any]:
+        """The live sharded objects of a sharding strategy, as the collective manager
+        saves and restores them: the (wrapped) module, each optimizer, Lightning's dict."""
+        state: dict[str, Any] = {MODEL_KEY: strategy.model}
+        for i, opt in enumerate(strategy.optimizers):
+            state[f"optimizer_{i}"] = getattr(opt, "_optimizer", opt)  # a LightningOptimizer
+        state[LIGHTNING_KEY] = rest
+        return state
+
+    def _store_sharded(self, checkpoint: dict[str, Any], step: int, strategy: Any) -> None:
+        """Every rank: Lightning's dict of ``step`` under a sharding strategy, saved by the
+        collective manager (each rank writes its own shards; one commit).
+
+        The module and optimizers are saved from the live objects (their DCP state dicts,
+        FQN-keyed and sharded, as the strategy's own save takes them); the rest of
+        Lightning's dict (loops, callbacks with every rank's RNG state, schedulers,
+        hyperparameters) is one value of typed JSON (no pickle), written once.
+        """
+        from ..distributed.planners import encode_value
+
+        mgr = self.manager
+        if mgr is None:
+            raise StepvaultError(
+                "saving to a stepvault: path needs a fitting Trainer with StepvaultCheckpoint"
+            )
+        due = self._due if self._due is not None and self._due[0] == step else None
+        rest = self._rest(checkpoint, ("state_dict", "optimizer_states"))
+        try:
+            # One string (a leaf for DCP): a restore then needs no template of its shape.
+            encoded = encode_value(rest, LIGHTNING_KEY).decode()
+        except UnsupportedTypeError as exc:
+            raise UnsupportedTypeError(
+                f"{exc}\n(state['lightning'] is Lightning's checkpoint dict: callbacks' "
+                "state_dict(), on_save_checkpoint() additions and save_hyperparameters())"
+            ) from None
+        mgr.save(
+            step,
+            self._sharded_state(strategy, encoded),
+            epoch=due[1] if due else checkpoint.get("epoch"),
+            metrics=due[2] if due else {},
+            metadata={**self._metadata(), "lightning_strategy": type(strategy).__name__},
+            force=due is None,
+        )
+
+    def _load_sharded(self, step: int | Literal["latest", "best"], strategy: Any) -> dict[str, Any]:
+        """Every rank: restore ``step`` into the live sharded module and optimizers (the
+        ranks agree on the checkpoint and fall back together past a damaged one) and
+        return the rest of Lightning's dict, as the strategy's own ``load_checkpoint``."""
+        from ..distributed.planners import decode_value_bytes
+
+        mgr = self.manager
+        if mgr is None:
+            raise StepvaultError(
+                f"loading {PREFIX}{step} under {type(strategy).__name__} needs a fitting "
+                "Trainer with StepvaultCheckpoint (the restore is collective)"
+            )
+        state = self._sharded_state(strategy, "")
+        info = mgr.restore(state, step)
+        if info is None:
+            raise StepvaultError(
+                f"run {self.run!r} has no checkpoint in {self.root}: start without "
+                "ckpt_path (ckpt.resume_path is None on a fresh start)"
+            )
+        self.last_restore = info
+        for skipped in info.skipped:
+            warnings.warn(
+                f"stepvault: skipped damaged checkpoint {self.run}@{skipped.step}: "
+                f"{skipped.reason}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        encoded = state[LIGHTNING_KEY]
+        if not isinstance(encoded, str) or not encoded:
+            raise StepvaultError(
+                f"{self.run}@{info.step} holds no Lightning state of a sharded save; it "
+                "cannot resume a Trainer under this strategy"
+            )
+        checkpoint: dict[str, Any] = decode_value_bytes(encoded.encode())
+        return checkpoint
 
     def load(self, step: int | Literal["latest", "best"] = "latest") -> dict[str, Any]:
         """Lightning's checkpoint dict of ``step``, read and verified from the store.
@@ -589,6 +770,63 @@ class CheckpointMixin:
             # fit(): Lightning resumes with these fresh (empty lists), not where they were.
             warn_resume_gaps(self.run, info.step, metadata, list(missing))
         return to_lightning_checkpoint({**extra, **holder}, layout)
+
+
+def _check_fsdp_mesh(strategy: Any) -> None:
+    """Refuse an ``FSDPStrategy`` without a ``device_mesh``: FSDP1 then shards its state as
+    ``ShardedTensor``s, and torch 2.13's ``torch.distributed.checkpoint`` cannot load their
+    optimizer state back (``Missing key in checkpoint state_dict: ...param_groups``; its
+    own ``dcp.save``/``dcp.load`` of ``get_state_dict`` fails the same way), nor stage
+    them asynchronously. With a device mesh FSDP1's state dicts are DTensors."""
+    if type(strategy).__name__ == "ModelParallelStrategy" or not hasattr(strategy, "kwargs"):
+        return
+    if strategy.kwargs.get("device_mesh") is None:
+        raise StepvaultError(
+            f"StepvaultCheckpoint needs {type(strategy).__name__}(device_mesh=...) (e.g. "
+            "device_mesh=(world_size,)): without a device mesh FSDP1 shards its state as "
+            "ShardedTensors, whose optimizer state torch.distributed.checkpoint cannot load "
+            "back (torch's own dcp.save/dcp.load fail the same way). With a mesh the state "
+            "is DTensors and saves, resumes and reshards work; ModelParallelStrategy (FSDP2) "
+            "needs nothing more"
+        )
+
+
+def _without_sigterm_collective(trainer: pl.Trainer) -> None:
+    """Keep Lightning's SIGTERM handler from running a collective inside a signal handler
+    when a save policy answers SIGTERM (``OnSignal``) in a sharded job.
+
+    Lightning's notifier broadcasts a tensor from inside the handler; a rank that is in
+    another collective at that moment (a sharded save's DCP exchange, the manager's
+    agreement on a decision) pairs it with the wrong peer call and the job hangs. The
+    policy's handler already records the signal; the manager's agreed decision then saves
+    on every rank and exits them together. Lightning's notifier is replaced by one that
+    only passes the signal on to the processes Lightning started (as Lightning's does).
+    """
+    import signal
+
+    from ..policy.signals import OnSignal
+
+    composed = signal.getsignal(signal.SIGTERM)
+    handlers = getattr(composed, "signal_handlers", None)
+    connector = getattr(trainer, "_signal_connector", None)
+    if not isinstance(handlers, list) or connector is None:
+        return
+    notifier = getattr(connector, "_sigterm_notifier_fn", None)
+    answered = any(
+        getattr(h, "__func__", None) is OnSignal._handle and signal.SIGTERM in h.__self__.signals
+        for h in handlers
+    )
+    if notifier not in handlers or not answered:
+        return
+    passed_on: list[int] = []
+
+    def pass_on(signum: int, frame: Any) -> None:
+        launcher = trainer.strategy.launcher
+        if not passed_on and launcher is not None:
+            passed_on.append(signum)
+            launcher.kill(signum)
+
+    handlers[handlers.index(notifier)] = pass_on
 
 
 def _bulk(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
