@@ -23,6 +23,9 @@ Runs, each in its own process (one crash does not lose the others' sections):
                             parses and broadcasts of a 2-rank restore, mem-tier hashing
 - ``bench_hosts.py``        namespaced hosts: resume after a host loss from buddy memory,
                             disk or S3; replication lag with and without a bandwidth cap
+- ``bench_ui.py``           issue 29: the dashboard over a 10k-checkpoint run: time to
+                            first byte of every page (cold, warm, with a dead cold tier),
+                            bytes per live update while a manager saves once per second
 - ``bench_restore.py``      issue 31: verification CPU per checksum, warm/cold restore vs
                             safetensors and a parallel raw read, one tensor vs safe_open,
                             save with/without segment checksums, restore from S3
@@ -116,6 +119,7 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
             *("--other", "20", "--requests-long", "50"),
         ],
     ),
+    "ui": ([], ["--checkpoints", "300", "--seconds", "8", "--repeats", "2"]),
     "restore": (
         [],
         [
