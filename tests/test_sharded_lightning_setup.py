@@ -1,0 +1,59 @@
+"""Lightning's sharding strategies at ``StepvaultCheckpoint.setup`` (fast, one process):
+what the callback takes over and what it refuses, with why and what to use. The
+2-process jobs are in tests/test_sharded_lightning.py."""
+
+from __future__ import annotations
+
+import pytest
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+
+from stepvault.errors import StepvaultError  # noqa: E402
+from stepvault.integrations.lightning import StepvaultCheckpoint  # noqa: E402
+
+
+class _Module(pl.LightningModule):
+    pass
+
+
+class _CPUFSDPStrategy(FSDPStrategy):
+    """TEST-ONLY: Lightning accepts the exact FSDPStrategy class only with a GPU
+    accelerator; a subclass is let through on CPU (nothing here starts FSDP)."""
+
+
+def _trainer(strategy) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_fsdp_strategy_without_a_device_mesh_is_refused_with_the_way_out(tmp_path):
+    ckpt = StepvaultCheckpoint(tmp_path, run="r")
+    trainer = _trainer(_CPUFSDPStrategy(state_dict_type="sharded"))
+    with pytest.raises(StepvaultError, match=r"device_mesh=.*ShardedTensors"):
+        ckpt.setup(trainer, _Module(), "fit")
+    assert ckpt.manager is None  # nothing opened in the store
+    assert not (tmp_path / "stepvault.json").exists()
+
+
+def test_model_parallel_strategy_save_and_load_are_taken_over_and_given_back(tmp_path):
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    own_save, own_load = strategy.save_checkpoint, strategy.load_checkpoint
+    ckpt = StepvaultCheckpoint(tmp_path, run="r")
+    trainer = _trainer(strategy)
+    ckpt._sharded = ckpt._sharding_strategy(strategy)
+    assert ckpt._sharded
+    undo = ckpt._take_over(strategy)
+    assert strategy.save_checkpoint != own_save and strategy.load_checkpoint != own_load
+    with pytest.raises(ValueError, match="stepvault:<step>"):
+        strategy.save_checkpoint({}, "stepvault:latest")
+    undo()
+    assert strategy.save_checkpoint == own_save and strategy.load_checkpoint == own_load
+    assert trainer.strategy is strategy
