@@ -365,3 +365,22 @@ def test_two_token_dashboards_on_one_host_keep_their_own_cookies(trained):
         for p in procs:
             p.terminate()
             p.wait(timeout=30)
+
+
+def test_compare_two_checkpoints_is_stepvault_diff_in_the_page(trained):
+    from stepvault.ops.tensor_diff import diff
+
+    client = TestClient(create_app(str(trained)), base_url=BASE)
+    steps = Store.open(trained).list_steps(RUN)
+    a, b = steps[-2], steps[-1]
+    doc = client.get(f"/api/runs/{RUN}/checkpoints/{b}/compare", params={"with": str(a)}).json()
+    cli = diff(trained, f"{RUN}@{a}", f"{RUN}@{b}").to_json()
+    assert doc["tensors"] == cli["tensors"] and doc["exact_bytes"] == cli["exact_bytes"]
+    assert doc["counts"].get("changed", 0) >= 1
+    html = client.get(f"/runs/{RUN}/checkpoints/{b}/compare", params={"with": f"{RUN}@{a}"}).text
+    assert 'id="diff"' in html and f"diff {RUN}@{a} {RUN}@{b}" in html
+    assert 'id="compare-form"' in client.get(f"/runs/{RUN}/checkpoints/{b}").text
+    missing = client.get(f"/runs/{RUN}/checkpoints/{b}/compare", params={"with": "7"})
+    assert missing.status_code == 404 and f"{RUN}@7" in missing.text
+    bad = client.get(f"/api/runs/{RUN}/checkpoints/{b}/compare", params={"with": "../x@1"})
+    assert bad.status_code == 400

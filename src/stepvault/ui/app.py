@@ -214,6 +214,25 @@ class Dashboard:
         status = 422 if doc.get("error") else 200
         return self._page(request, "checkpoint.html", f"{run}@{step}", status=status, doc=doc)
 
+    async def compare_page(self, request: Request) -> Response:
+        run = request.path_params["run"]
+        step = data.parse_step(request.path_params["step"])
+        other = request.query_params.get("with", "")
+        if not other or len(other) > 300:
+            raise InvalidNameError("compare needs ?with=RUN@STEP (or a step of this run)")
+        doc = await self._call(data.compare_checkpoints, self.reader, run, step, other)
+        return self._page(request, "compare.html", f"{doc['other']} → {run}@{step}", doc=doc)
+
+    async def api_compare(self, request: Request) -> Response:
+        other = request.query_params.get("with", "")
+        if not other or len(other) > 300:
+            raise InvalidNameError("compare needs ?with=RUN@STEP (or a step of this run)")
+        step = data.parse_step(request.path_params["step"])
+        run = request.path_params["run"]
+        return JSONResponse(
+            await self._call(data.compare_checkpoints, self.reader, run, step, other)
+        )
+
     async def registry_page(self, request: Request) -> Response:
         doc = await self._call(data.registry_overview, self.reader)
         return self._page(request, "registry.html", "registry", doc=doc)
@@ -310,6 +329,7 @@ class Dashboard:
             Route("/", self.store_page),
             Route("/runs/{run}", self.run_page),
             Route("/runs/{run}/checkpoints/{step}", self.checkpoint_page),
+            Route("/runs/{run}/checkpoints/{step}/compare", self.compare_page),
             Route("/registry", self.registry_page),
             Route("/events", self.events_page),
             Route("/api/store", self.api_store),
@@ -317,6 +337,7 @@ class Dashboard:
             Route("/api/runs/{run}", self.api_run),
             Route("/api/runs/{run}/retention", self.api_retention),
             Route("/api/runs/{run}/checkpoints/{step}", self.api_checkpoint),
+            Route("/api/runs/{run}/checkpoints/{step}/compare", self.api_compare),
             Route("/api/registry", self.api_registry),
             Route("/api/events", self.api_events),
             Route("/api/changes", self.api_changes),

@@ -770,6 +770,30 @@ def checkpoint_detail(reader: StoreReader, run: str, step: int) -> dict[str, Any
     return doc
 
 
+def compare_checkpoints(reader: StoreReader, run: str, step: int, other: str) -> dict[str, Any]:
+    """``stepvault diff OTHER RUN@STEP`` in the page: per tensor, same / changed / added /
+    removed, the max, mean and relative change, and the new bytes this checkpoint stores
+    against ``other`` (``RUN@STEP``, or a step of the same run)."""
+    from ..ops.tensor_diff import diff_manifests
+
+    view = reader.view()
+    other_run, sep, other_step = other.strip().rpartition("@")
+    other_run = validate_run_name(other_run) if sep else run
+    before = (other_run, parse_step(other_step))
+    manifests = []
+    for r, s in (before, (run, step)):
+        _existing_run(view, r)
+        try:
+            manifests.append(parse_manifest(view.read_manifest(r, s), f"{r}@{s}"))
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {r}@{s} in {view.backend.url}") from None
+    report = diff_manifests(view, manifests[0], manifests[1]).to_json()
+    report["command"] = (
+        f"stepvault {_root_option(view.backend.url)} diff {before[0]}@{before[1]} {run}@{step}"
+    )
+    return {"run": run, "step": step, "other": f"{before[0]}@{before[1]}", **report}
+
+
 def _tracker_refs(events: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
     """The experiment trackers that reference ``step`` (``tracker_ref`` events: MLflow,
     W&B, Ray runs that logged this checkpoint), newest first, one per (tracker, ref)."""
