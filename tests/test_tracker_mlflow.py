@@ -410,3 +410,16 @@ def test_the_mlflow_ui_lists_stepvault_checkpoints(tracking, tmp_path):
             driver.save_screenshot(target)
     finally:
         driver.quit()
+
+
+def test_no_active_mlflow_run_is_refused_at_construction_and_leaves_the_run_free(tmp_path):
+    assert mlflow.active_run() is None
+    with pytest.raises(RuntimeError, match=r"mlflow.start_run\(\).*run_id="):
+        stepvault.CheckpointManager(
+            tmp_path / "ckpts", run="r", options=ManagerOptions(hooks=(MLflowTracker(),))
+        )
+    # nothing held: the run's lease was given back, the next manager starts at once
+    with stepvault.CheckpointManager(tmp_path / "ckpts", run="r") as mgr:
+        mgr.save(1, {"w": torch.zeros(3), "step": 1})
+    with pytest.raises(TypeError, match=r"options\.hooks takes callables"):
+        ManagerOptions(hooks=("not a hook",))
