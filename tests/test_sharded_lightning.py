@@ -101,3 +101,13 @@ def test_sharded_lightning_preempted_killed_damaged_and_resumed_is_bitwise(tmp_p
     assert info is not None and info.step == 12
     assert worker.weights_digest(plain) == reference_weights
     assert any(not torch.equal(before[k], v) for k, v in plain.state_dict().items())
+
+    # ... and exports as safetensors (consolidated from the shards) with the same weights.
+    from safetensors.torch import load_file
+
+    from stepvault.store import Store
+
+    stepvault.ops.export_weights(Store.open(root), "sharded", 12, tmp_path / "w.safetensors")
+    exported = load_file(tmp_path / "w.safetensors")
+    assert exported.keys() == plain.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in plain.state_dict().items())
