@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, ManifestError, StepvaultError
+from ..errors import CheckpointNotFoundError, StepvaultError
 from ..store import Store
 from .config import HOT, TIERS_KEY, Tiers
 from .mem import MEM
@@ -109,12 +109,30 @@ class TieredView(Store):
         )
 
     def read_manifests(self, run: str, steps: Sequence[int]) -> Iterator[tuple[int, Any]]:
-        """``(step, bytes or error)`` per step, each from the hottest tier that has it."""
+        """``(step, bytes or error)`` per step, each from the hottest tier that has it:
+        each tier's batched read (``Store.read_manifests``) of the steps the tiers before
+        it did not have (one read per manifest, not a lookup per step and tier)."""
+        steps = list(steps)
+        found: dict[int, Any] = {}
+        missing = steps
+        for _, store in self._stores():
+            if not missing:
+                break
+            absent = []
+            for step, data in store.read_manifests(run, missing):
+                if isinstance(data, CheckpointNotFoundError):
+                    absent.append(step)
+                else:  # the bytes, or a manifest that cannot be read safely: final
+                    found[step] = data
+            missing = absent
         for step in steps:
-            try:
-                yield step, self.read_manifest(run, step)
-            except (CheckpointNotFoundError, ManifestError) as exc:
-                yield step, exc
+            if step in found:
+                yield step, found[step]
+            else:
+                yield step, CheckpointNotFoundError(
+                    f"no committed checkpoint {run}@{step} in any tier of {self.backend.url} "
+                    f"({', '.join(self.order)})"
+                )
 
     def read_run_info(self, run: str) -> dict[str, Any] | None:
         for _, store in self._stores():

@@ -204,8 +204,8 @@ def registered_steps(view: Store, run: str) -> dict[int, list[str]]:
 def _tiers_of(view: Store, run: str, steps: list[int]) -> dict[int, list[str]]:
     if not isinstance(view, TieredView):
         return {s: ["hot"] for s in steps}
-    by_tier = view.steps_by_tier(run)
-    return {s: [t for t in view.order if s in set(by_tier.get(t, []))] for s in steps}
+    by_tier = {t: set(held) for t, held in view.steps_by_tier(run).items()}
+    return {s: [t for t in view.order if s in by_tier.get(t, ())] for s in steps}
 
 
 # -- store page ------------------------------------------------------------------------------
