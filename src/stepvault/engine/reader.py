@@ -141,22 +141,30 @@ def _segment_pool() -> ThreadPoolExecutor:
 
 
 class _ByteBudget:
-    """At most ``limit`` bytes taken at once (one item of any size when none is taken);
+    """At most ``limit`` bytes taken at once (one item of any size when none is taken),
+    granted in order: item ``seq`` only after item ``seq - 1``. In order, because the
+    verifiers consume in order: were a later read granted first, the budget could fill
+    with objects no verifier reaches while the one they wait for can never be read.
     :meth:`stop` wakes every waiter for good (a failed read ends the pipeline)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.taken = 0
+        self.next = 0
         self.stopped = False
         self._cond = threading.Condition()
 
-    def take(self, n: int) -> bool:
+    def take(self, seq: int, n: int) -> bool:
         with self._cond:
-            while not self.stopped and self.taken and self.taken + n > self.limit:
+            while not self.stopped and (
+                seq != self.next or (self.taken and self.taken + n > self.limit)
+            ):
                 self._cond.wait()
             if self.stopped:
                 return False
             self.taken += n
+            self.next += 1
+            self._cond.notify_all()
             return True
 
     def give(self, n: int) -> None:
@@ -250,8 +258,8 @@ class CheckpointReader:
         spread = len(todo) >= self.workers
         budget = _ByteBudget(self.read_ahead)
 
-        def read(digest: str) -> memoryview | bytes | None:
-            if not budget.take(sizes.get(digest, 0)):
+        def read(seq: int, digest: str) -> memoryview | bytes | None:
+            if not budget.take(seq, sizes.get(digest, 0)):
                 return None  # the pipeline stopped (an earlier object failed)
             return read_object_bytes(self.store, digest)
 
@@ -272,7 +280,7 @@ class CheckpointReader:
         readers = ThreadPoolExecutor(max_workers=max(4, 2 * self.workers))
         try:
             with ThreadPoolExecutor(max_workers=self.workers) as pool:
-                reads = [readers.submit(read, d) for d in todo]
+                reads = [readers.submit(read, i, d) for i, d in enumerate(todo)]
                 checks = [pool.submit(verify, d, f) for d, f in zip(todo, reads)]
                 for digest, check in zip(todo, checks):
                     try:
