@@ -185,7 +185,10 @@ class Dashboard:
 
     # -- pages ---------------------------------------------------------------------------
     async def store_page(self, request: Request) -> Response:
-        doc = await self._call(data.store_overview, self.reader)
+        # Sent at once without the usage (every manifest parsed); the page's script asks
+        # for ?usage=1, computed off the event loop and memoised like any page.
+        full = request.query_params.get("usage") == "1"
+        doc = await self._call(data.store_overview, self.reader, full)
         return self._page(request, "store.html", "store", doc=doc)
 
     async def run_page(self, request: Request) -> Response:

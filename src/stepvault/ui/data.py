@@ -209,16 +209,20 @@ def _tiers_of(view: Store, run: str, steps: list[int]) -> dict[int, list[str]]:
 
 
 # -- store page ------------------------------------------------------------------------------
-def store_overview(reader: StoreReader) -> dict[str, Any]:
-    """Runs (count, newest step, sizes, damage), store-wide savings, tiers, registry models."""
+def store_overview(reader: StoreReader, usage_too: bool = True) -> dict[str, Any]:
+    """Runs (count, newest step, sizes, damage), store-wide savings, tiers, registry models.
+
+    ``usage_too=False`` leaves out what needs every manifest parsed (the store's and each
+    tier's usage: seconds at 10,000 checkpoints): the page is sent at once and its script
+    fetches the rest."""
     view = reader.view()
     vault = Vault(view)
-    usage = store_usage(view, scan_unreferenced=False)
-    unique = {r.run: r.unique_stored_bytes for r in usage.runs}
+    usage = store_usage(view, scan_unreferenced=False) if usage_too else None
+    unique = {r.run: r.unique_stored_bytes for r in usage.runs} if usage else {}
     runs = []
     damaged = 0
     for name in vault.runs():
-        summaries = vault.checkpoints(name)
+        summaries = reader.records(view, name)  # shared with the run pages
         damaged += sum(1 for s in summaries if s.error)
         good = [s for s in summaries if not s.error]
         newest = good[-1] if good else None
@@ -229,7 +233,7 @@ def store_overview(reader: StoreReader) -> dict[str, Any]:
                 "newest_step": newest.step if newest else None,
                 "newest_time": newest.created if newest else None,
                 "logical_bytes": sum(s.logical_bytes for s in good),
-                "stored_bytes": unique.get(name, 0),
+                "stored_bytes": unique.get(name) if usage else None,
                 "damaged": [{"step": s.step, "error": s.error} for s in summaries if s.error],
                 "metrics": sorted({k for s in good for k in s.metrics}),
             }
@@ -237,15 +241,20 @@ def store_overview(reader: StoreReader) -> dict[str, Any]:
     tiers: dict[str, Any] = {}
     if isinstance(view, TieredView):
         for tier, store in view._stores():
+            if not usage_too:
+                tiers[tier] = {"pending": True}
+                continue
             tiers[tier] = store_usage(store, scan_unreferenced=False).to_json()
         tiers = {t: {k: v for k, v in u.items() if k != "runs"} for t, u in tiers.items()}
     # A cold tier that does not answer is named with since when (never waited for here).
     for tier, state in reader.tier_states().items():
         if state["state"] != "reachable" or tier not in tiers:
             tiers[tier] = {**state, "error": state["error"] or state["state"]}
-    usage_doc = {k: v for k, v in usage.to_json().items() if k != "runs"}
-    # The usage counts readable checkpoints; the damaged ones are counted beside them.
-    usage_doc["damaged"] = damaged
+    usage_doc: dict[str, Any] | None = None
+    if usage is not None:
+        usage_doc = {k: v for k, v in usage.to_json().items() if k != "runs"}
+        # The usage counts readable checkpoints; the damaged ones are counted beside them.
+        usage_doc["damaged"] = damaged
     return {
         "url": view.backend.url,
         "runs": runs,

@@ -371,7 +371,20 @@ async function renderPage() {
   }
   const retention = document.getElementById("retention");
   if (retention) await renderRetention(retention);
+  const usage = document.querySelector("#usage[data-pending]");
+  if (usage) await swapMain(location.pathname + "?usage=1");
   bindActions();
+}
+
+// Replace the page's main part with the same page fetched again (``url``).
+async function swapMain(url) {
+  const r = await fetch(url, {credentials: "same-origin"});
+  const html = new DOMParser().parseFromString(await r.text(), "text/html");
+  const fresh = html.getElementById("main");
+  if (fresh) {
+    document.getElementById("main").replaceChildren(...fresh.childNodes);
+    await renderPage();
+  }
 }
 
 // -- live refresh: poll a cheap token; a run page asks for what changed, others re-render ------
@@ -384,13 +397,7 @@ async function poll() {
       if (runDoc) {
         await refreshRun();
       } else {
-        const r = await fetch(location.href, {credentials: "same-origin"});
-        const html = new DOMParser().parseFromString(await r.text(), "text/html");
-        const fresh = html.getElementById("main");
-        if (fresh) {
-          document.getElementById("main").replaceChildren(...fresh.childNodes);
-          await renderPage();
-        }
+        await swapMain(location.href);
       }
     }
     token = now;
