@@ -40,19 +40,30 @@ class CountingBackend:
         return data
 
 
+UNIT = 64 << 10  # each tensor one object of 64 KiB in a store with small chunks
+
+
 def _state(n: int = 24) -> dict:
     g = torch.Generator().manual_seed(0)
-    return {f"t{i:02d}": torch.randn(256 * 1024, generator=g) for i in range(n)}  # 1 MiB each
+    return {f"t{i:02d}": torch.randn(UNIT // 4, generator=g) for i in range(n)}
+
+
+def _small_chunks(root) -> None:
+    from stepvault.format.settings import DEFAULT_STORE_SETTINGS
+
+    settings = {**DEFAULT_STORE_SETTINGS, "chunk_size": UNIT, "small_tensor": UNIT // 2}
+    Store.open(root, create=True, defaults=settings)
 
 
 def test_reads_stay_within_the_read_ahead_budget_of_verification():
     url = f"memory://sv-{uuid.uuid4().hex[:8]}"
     state = _state()
+    _small_chunks(url)
     stepvault.save(url, state, run="r", step=1)
     backend = CountingBackend(url)
     store = Store(backend, Store.open(url).settings)  # type: ignore[arg-type]
     opened = open_checkpoint(store, "r", 1, workers=2)
-    budget = 3 << 20  # three objects of ~1 MiB
+    budget = 3 * UNIT  # three objects
     opened.reader.read_ahead = budget
     verified: list[int] = [0]
     worst = [0]
@@ -75,7 +86,7 @@ def test_reads_stay_within_the_read_ahead_budget_of_verification():
     assert objects >= 20 and len(backend.reads) == objects
     # in flight: at most the budget, plus the objects handed to the verifiers but not yet
     # counted by progress (one per verifier thread)
-    assert worst[0] <= budget + 2 * (1 << 20) + 4096 * objects, worst[0]
+    assert worst[0] <= budget + 2 * UNIT + 4096 * objects, worst[0]
     live = {k: torch.zeros_like(v) for k, v in state.items()}
     assert stepvault.restore(store, live, run="r").step == 1
     assert all(torch.equal(live[k], state[k]) for k in state)
@@ -83,6 +94,7 @@ def test_reads_stay_within_the_read_ahead_budget_of_verification():
 
 def test_damage_stops_the_pipeline_and_places_nothing(tmp_path):
     state = _state(40)
+    _small_chunks(tmp_path)
     stepvault.save(tmp_path, state, run="r", step=1)
     manifest = stepvault.open(tmp_path).manifest("r", 1)
     first = manifest.tensors["t00"].chunks[0][0]
