@@ -94,6 +94,13 @@ def test_store_page_shows_runs_savings_damage_and_models(client):
     assert [m["model"] for m in doc["models"]] == ["mlp"]
     html = client.get("/").text
     assert f'href="/runs/{RUN}"' in html and "DAMAGED" not in html and ">20<" in html
+    # the top card counts every checkpoint the rows count, the damaged one named
+    total = sum(r["checkpoints"] for r in doc["runs"])
+    assert doc["usage"]["checkpoints"] + doc["usage"]["damaged"] == total
+    assert doc["usage"]["damaged"] == 1
+    full = client.get("/?usage=1").text
+    assert f"<b>{total}</b><span>checkpoints (1 damaged)" in full
+    assert 'id="usage" data-pending="1"' in html  # sent at once, the sizes fetched after
 
 
 def test_run_page_marks_pinned_registered_best_and_saves(client, trained):
