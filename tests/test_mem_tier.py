@@ -365,3 +365,53 @@ def test_random_kills_during_mem_saves_leave_only_complete_checkpoints(tmp_path,
             assert stepvault.ops.verify(t.path, deep=True).ok
     stdout = run_train_loop(store, *args)
     assert final_digest(stdout) == reference
+
+
+_SLOW_CLOSE = """
+import os, shutil, sys, time, torch
+from stepvault import CheckpointManager
+from stepvault.tiers import MemLast
+_unlink, _rmtree = os.unlink, shutil.rmtree
+def slow_unlink(*a, **k):  # a slow tmpfs: the kill lands mid-deletion
+    time.sleep(0.05)
+    return _unlink(*a, **k)
+def announced_rmtree(*a, **k):
+    print("DELETING", flush=True)
+    os.unlink = slow_unlink
+    return _rmtree(*a, **k)
+shutil.rmtree = announced_rmtree
+mgr = CheckpointManager(sys.argv[1], "r", tiers={"mem": sys.argv[2]}, tier_policy=MemLast(3),
+                        async_save=False)
+m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+for step in range(1, 4):
+    with torch.no_grad():
+        m[0].weight.add_(1)
+    mgr.save(step, {"model": m})
+mgr.close()  # the newest is on disk already; then the mem tier is removed
+"""
+
+
+def test_a_kill_during_close_leaves_no_half_removed_mem_tier(tmp_path):
+    """SIGKILL while close() deletes the mem tier (file by file) used to leave a tier that
+    still listed checkpoints whose objects were gone (a slow-campaign failure: "object ...
+    missing" for a listed step). The tier vanishes by one rename first now."""
+    mem = tmp_path / "shm"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLOSE, str(tmp_path / "ck"), str(mem)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_for_line(proc, "DELETING") == "DELETING"
+    time.sleep(0.2)  # a few files into the deletion (0.05 s each)
+    proc.kill()
+    proc.wait(timeout=30)
+    for t in list_mem_tiers(str(mem)):  # whatever is listed is whole
+        assert stepvault.ops.verify(t.path, deep=True).ok, t
+    leftovers = [p for p in mem.iterdir() if p.name.startswith(".removing-")]
+    assert leftovers, "the kill should land mid-deletion (a tombstone left)"
+    reclaim_stale(str(mem))  # the next job's start clears what the kill left
+    assert not list(mem.iterdir())
+    # the run itself resumes from disk, untouched
+    restored = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    assert stepvault.restore(tmp_path / "ck", {"model": restored}, run="r").step == 3

@@ -24,7 +24,6 @@ there, else from disk.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,14 @@ from ..engine import to_host
 from ..format import Manifest
 from ..policy import SaveDecision
 from ..state.snapshot import take_snapshot
-from ..tiers.mem import MemTier, mem_dir, open_mem_tier, reclaim_stale, write_owner
+from ..tiers.mem import (
+    MemTier,
+    mem_dir,
+    open_mem_tier,
+    reclaim_stale,
+    remove_tier_dir,
+    write_owner,
+)
 from .mem_saving import MemRun, MemSaver, _estimate
 from .session import RunSession
 
@@ -340,7 +346,7 @@ class RankMemory:
             self.tier.remove()
             with contextlib.suppress(OSError):
                 dist.barrier(group=self.replicator.group)  # peers' last reads are done
-            shutil.rmtree(self.peers_root, ignore_errors=True)  # the node's ranks share it
+            remove_tier_dir(self.peers_root)  # the node's ranks share it; never half-listed
             self.node_mem.remove()  # empty: under a group only the ranks' own tiers are used
             self.session.event("mem_removed", path=self.peers_root, ranks=dist.get_world_size())
 

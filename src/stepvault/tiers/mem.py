@@ -192,7 +192,7 @@ class MemTier:
     def remove(self) -> None:
         """Delete the whole mem tier of this run (its directory)."""
         with self.lock:
-            shutil.rmtree(self.path, ignore_errors=True)
+            remove_tier_dir(self.path)
 
 
 def write_owner(
@@ -296,8 +296,8 @@ def list_mem_tiers(root: str | None = None) -> list[MemTierInfo]:
         return out
     for name in names:
         path = os.path.join(root, name)
-        if not os.path.isfile(os.path.join(path, OWNER_KEY)):
-            continue
+        if name.startswith(REMOVING) or not os.path.isfile(os.path.join(path, OWNER_KEY)):
+            continue  # a tier being deleted is not a tier
         try:
             with open(os.path.join(path, OWNER_KEY), "rb") as fh:
                 owner = json.loads(fh.read())
@@ -343,12 +343,45 @@ def _held_steps(path: str, owner: dict[str, Any]) -> list[int]:
     return sorted(steps)
 
 
+#: A mem tier being deleted is first renamed to a hidden name with this prefix.
+REMOVING = ".removing-"
+
+
+def remove_tier_dir(path: str) -> None:
+    """Delete the mem tier directory ``path`` so that no reader ever sees half of it.
+
+    A directory tree is deleted file by file; a process killed halfway (SIGKILL during
+    ``close()``) used to leave a tier that still listed checkpoints whose objects were
+    gone. The directory is renamed to a hidden tombstone first (one atomic rename on the
+    same filesystem), which :func:`list_mem_tiers` never lists, then deleted; tombstones
+    of killed deletions are cleared by :func:`reclaim_stale`.
+    """
+    path = path.rstrip(os.sep)
+    parent, name = os.path.split(path)
+    tomb = os.path.join(parent, f"{REMOVING}{name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(path, tomb)
+    except FileNotFoundError:
+        return
+    except OSError:
+        tomb = path  # cannot rename here: delete in place (still better than keeping it)
+    shutil.rmtree(tomb, ignore_errors=True)
+
+
 def reclaim_stale(root: str | None = None, *, dry_run: bool = False) -> list[MemTierInfo]:
-    """Delete the stale mem tiers under ``root`` (see :func:`_staleness`); those removed."""
+    """Delete the stale mem tiers under ``root`` (see :func:`_staleness`), and what a
+    killed deletion left behind; the tiers removed."""
     gone = [t for t in list_mem_tiers(root) if t.stale]
     if not dry_run:
         for t in gone:
-            shutil.rmtree(t.path, ignore_errors=True)
+            remove_tier_dir(t.path)
+        base = os.path.abspath(root) if root else default_mem_root()
+        try:
+            leftovers = [n for n in os.listdir(base) if n.startswith(REMOVING)]
+        except FileNotFoundError:
+            leftovers = []
+        for name in leftovers:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     return gone
 
 
