@@ -31,10 +31,14 @@ torch, CUDA), ``accelerator.step`` and each object registered with
 plus the ``extra`` values you pass. With several processes (DDP under ``accelerate launch``
 or ``torchrun``) every rank calls these together, as it calls ``accelerator.save_state``:
 replicated tensors are written once, each rank's RNG state is kept apart, and the
-checkpoint is committed only once every rank has written its part. DeepSpeed, FSDP and
-Megatron-LM configurations are refused. Accelerate's own ``register_save_state_pre_hook`` /
-``register_load_state_pre_hook`` only change how model weights are written next to
-pickled optimizer and RNG files in a folder, so they are not used (and not called).
+checkpoint is committed only once every rank has written its part. With an FSDP2 plugin
+(``FullyShardedDataParallelPlugin(fsdp_version=2)``) the prepared models and optimizers are
+sharded (DTensors): every rank writes and restores its own shards, and the checkpoint
+restores on another number of ranks or in one process. DeepSpeed, FSDP1 and Megatron-LM
+configurations are refused, saying why and what to use. Accelerate's own
+``register_save_state_pre_hook`` / ``register_load_state_pre_hook`` only change how model
+weights are written next to pickled optimizer and RNG files in a folder, so they are not
+used (and not called).
 """
 
 from __future__ import annotations
@@ -113,6 +117,18 @@ _REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
 
 def _check_distributed_type(accelerator: Accelerator) -> None:
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
+        # FSDP2: the prepared models are fully_shard modules (DTensor parameters) and every
+        # rank saves and restores its own shards through the collective manager.
+        return
+    if kind == "FSDP":
+        raise StepvaultError(
+            "the stepvault Accelerate integration supports FSDP2 only "
+            "(FullyShardedDataParallelPlugin(fsdp_version=2), or fsdp_version: 2 in the "
+            "accelerate config): FSDP1's flat parameters are not the model's and its "
+            "ShardedTensor optimizer state does not load back through "
+            "torch.distributed.checkpoint in torch 2.13"
+        )
     if kind in _REFUSED:
         raise StepvaultError(
             f"the stepvault Accelerate integration does not support {kind}: it shards or "

@@ -246,9 +246,10 @@ class StepvaultTrainerMixin(_TrainerBase):
                 "the stepvault Trainer integration does not support DeepSpeed or FSDP (they "
                 "shard the model and optimizer; a checkpoint written by process zero alone "
                 "would miss the other ranks' shards). Train with DDP (torchrun without "
-                "--deepspeed/--fsdp), or for a sharded model save with a "
-                "stepvault.CheckpointManager called on every rank from an Accelerate or "
-                "plain loop; see INTEGRATIONS.md"
+                "--deepspeed/--fsdp); for a sharded model use Accelerate with FSDP2 "
+                "(AcceleratorCheckpointer), Lightning's ModelParallelStrategy "
+                "(StepvaultCheckpoint) or a stepvault.CheckpointManager called on every "
+                "rank from your own loop; see INTEGRATIONS.md"
             )
         if args.world_size > 1 and args.parallel_mode != ParallelMode.DISTRIBUTED:
             raise StepvaultError(
