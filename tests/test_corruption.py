@@ -422,3 +422,46 @@ def test_verify_mode_is_checked_and_signed_checkpoints_read_with_blake3(tmp_path
     # A signature record makes every read of that checkpoint a BLAKE3 one.
     store.backend.put_atomic(Store.signature_key("r", 1), [b"{}"], overwrite=True)
     assert open_checkpoint(store, "r", 1).reader.verify == "full"
+
+
+def test_a_forged_object_with_matching_checksums_is_refused_when_signed(tmp_path):
+    """XXH3 is not collision resistant: someone who can write to the store can change an
+    object's bytes and recompute its segment checksums. A signed checkpoint is therefore
+    read with BLAKE3 on every path (restore, load, one tensor), which refuses it."""
+    import shutil
+
+    from stepvault.format.hashing import segment_sums
+    from stepvault.format.objects import parse_header
+    from stepvault.store import Store
+
+    root, signed = tmp_path / "a", tmp_path / "b"
+    stepvault.save(root, _campaign_state(1), run="r", step=1)
+    digest = stepvault.open(root).manifest("r", 1).tensors["big"].chunks[0][0]
+    path = Path(object_path(root, digest))
+    data = bytearray(path.read_bytes())
+    head = parse_header(bytes(data))
+    assert head.sums is not None
+    data[head.payload_offset + 10] ^= 0xFF  # the forgery
+    forged = segment_sums(memoryview(bytes(data[head.payload_offset :])))
+    path.write_bytes(bytes(data).replace(head.sums.hex.encode(), forged.encode(), 1))
+    shutil.copytree(root, signed)
+    # Unsigned, the fast read cannot tell (the known limit of a non-cryptographic checksum:
+    # why BLAKE3 stays the name and `verify="full"` exists); BLAKE3 can.
+    live = _zeros()
+    stepvault.restore(root, live, run="r", step=1)
+    assert not torch.equal(live["big"], _campaign_state(1)["big"])
+    with pytest.raises(stepvault.errors.IntegrityError, match="does not match its hash"):
+        stepvault.restore(root, _zeros(), run="r", step=1, verify="full")
+    # Signed: every path reads with BLAKE3 and refuses the forged object (a copy of the
+    # store: the restore above quarantined the object in its own).
+    store = Store.open(signed)
+    store.backend.put_atomic(Store.signature_key("r", 1), [b'{"alg": "ed25519"}'], overwrite=True)
+    live = _zeros()
+    hashed = "does not match its hash"  # BLAKE3's refusal, not a missing object
+    with pytest.raises(stepvault.errors.IntegrityError, match=hashed):
+        stepvault.open(signed).checkpoint("r", 1).tensor("big", mmap=True)
+    with pytest.raises(stepvault.errors.IntegrityError, match=hashed):
+        stepvault.open(signed).checkpoint("r", 1).load()
+    with pytest.raises(stepvault.errors.IntegrityError, match=hashed):
+        stepvault.restore(signed, live, run="r", step=1)
+    assert all(float(live[k].abs().sum()) == 0 for k in CAMPAIGN_NAMES)

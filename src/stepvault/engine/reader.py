@@ -63,6 +63,15 @@ def check_verify_mode(verify: str) -> VerifyMode:
     return verify  # type: ignore[return-value]
 
 
+def is_signed(store: Store, run: str, step: int) -> bool:
+    """Whether ``run@step`` has a signature record in ``store`` (any tier of a view); an
+    unreadable one counts as signed (the careful reading)."""
+    try:
+        return store.read_signature(run, step) is not None
+    except Exception:  # any doubt reads with BLAKE3
+        return True
+
+
 def read_object_bytes(store: Store, digest: str) -> memoryview | bytes:
     """The stored (encoded) bytes of one object: a private map on local disk (the kernel
     reads it ahead), else the downloaded bytes. Errors are store errors of the object."""
@@ -223,8 +232,12 @@ class CheckpointReader:
         self.store = store
         self.manifest = manifest
         self.workers = workers or default_workers()
-        #: "fast": segment checksums where recorded; "full": BLAKE3 of every object
-        self.verify = check_verify_mode(verify)
+        #: "fast": segment checksums where recorded; "full": BLAKE3 of every object (always
+        #: for a signed checkpoint, whatever was asked: its signature covers BLAKE3 names,
+        #: and a non-cryptographic checksum could be forged to match altered bytes)
+        self.verify: VerifyMode = check_verify_mode(verify)
+        if self.verify == "fast" and is_signed(store, manifest.run, manifest.step):
+            self.verify = "full"
         #: bytes fetched ahead of verification in :meth:`prefetch`
         self.read_ahead = read_ahead
         self._objects: dict[str, memoryview] = {}
