@@ -29,6 +29,10 @@ Runs, each in its own process (one crash does not lose the others' sections):
 - ``bench_restore.py``      issue 31: verification CPU per checksum, warm/cold restore vs
                             safetensors and a parallel raw read, one tensor vs safe_open,
                             save with/without segment checksums, restore from S3
+- ``bench_trackers.py``     issue 32: save stall with no tracker, an MLflow server, a
+                            closed port and an endpoint that never answers; close() time
+- ``bench_frameworks.py``   issue 30: a 2-rank Lightning FSDP2 job, stall and bytes of
+                            stepvault's sharded saves vs Lightning's own
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -127,6 +131,15 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
             *("--one-repeats", "3", "--s3-mb", "0"),
         ],
     ),
+    "trackers": (
+        [],
+        [
+            *("--size-mb", "8", "--saves", "4", "--rounds", "1", "--interval", "0.2"),
+            *("--close-timeout", "2", "--no-server"),
+        ],
+    ),
+    # issue 30: a 2-rank Lightning FSDP2 job, stepvault vs Lightning's own sharded saves
+    "frameworks": ([], ["--width", "128", "--layers", "2", "--saves", "2", "--every", "2"]),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core", "pipeline")
 #: modules of the ``[bench]`` extra that the full core run needs (real weights, zipnn)

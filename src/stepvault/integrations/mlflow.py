@@ -101,6 +101,10 @@ class MLflowTracker(TrackerHook):
                 )
             self.run_id = active.info.run_id
             self._experiment_id = active.info.experiment_id
+        # The client now (no request is made): making the first one imports MLflow's REST
+        # stack, a second of Python that would otherwise run on the hook's thread while
+        # the training thread computes.
+        self.client()
 
     def client(self) -> MlflowClient:
         # One client for the hook's life: making one resolves the tracking store (a scan
