@@ -149,13 +149,15 @@ class Server:
 def pages(steps: list[int]) -> dict[str, str]:
     return {
         "store `/`": "/",
+        "store with usage (`/?usage=1`, fetched by its script)": "/?usage=1",
         "run `/runs/RUN`": f"/runs/{RUN}",
         "run, oldest page": f"/runs/{RUN}?page=999999",
         "checkpoint": f"/runs/{RUN}/checkpoints/{steps[len(steps) // 2]}",
         "events": f"/events?run={RUN}",
         "registry": "/registry",
         "run JSON (whole)": f"/api/runs/{RUN}",
-        "retention preview": f"/api/runs/{RUN}/retention",
+        "retention preview (the run's own policy: none)": f"/api/runs/{RUN}/retention",
+        "retention preview, `keep_last=3` (gc's plan)": f"/api/runs/{RUN}/retention?keep_last=3",
     }
 
 

@@ -11,6 +11,7 @@ request never touches it. A tier that answers is opened once and its store reuse
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -144,6 +145,18 @@ class TierProbe:
                 self._running[spec.name] = thread
                 thread.start()
             return {n: TierState(**vars(s)) for n, s in self._states.items()}
+
+    def prepare(self, hot: Store) -> None:
+        """Import each cold tier's filesystem implementation now, on the caller's thread
+        (a server's start): ``s3fs`` and ``botocore`` cost a second or two of CPU, which on
+        a probe thread would hold the interpreter while the first pages are served."""
+        for spec in read_tier_specs(hot):
+            scheme = spec.url.split("://", 1)[0] if "://" in spec.url else ""
+            if scheme and scheme != "file":
+                with contextlib.suppress(Exception):  # the probe reports what fails
+                    import fsspec
+
+                    fsspec.get_filesystem_class(scheme)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the probes running now (tests; a server never waits)."""

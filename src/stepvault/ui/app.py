@@ -133,6 +133,7 @@ class Dashboard:
         self._cache: dict[tuple[str, str], tuple[str, float, Any]] = {}
         # Fail at start, not on the first page, when there is no store; this also starts
         # the background probe of the cold tiers (a page never waits for one).
+        self.reader.probe.prepare(self.reader.hot())
         self.reader.view()
         # The retention preview's first call imports the catalog's record readers (torch):
         # done now, in the background, instead of on the first click.
