@@ -18,6 +18,15 @@ _hash="$(cat pyproject.toml constraints.txt | .venv/bin/python -c \
 if [ -n "${STEPVAULT_REINSTALL:-}" ] || ! grep -qx -e "$_hash $STEPVAULT_EXTRAS" -e "$_hash dev" "$_stamp" 2>/dev/null; then
     if [ "$STEPVAULT_EXTRAS" = core ]; then _target="."; else _target=".[$STEPVAULT_EXTRAS]"; fi
     echo "Installing stepvault ($STEPVAULT_EXTRAS) into .venv ..." >&2
+    if [ "$STEPVAULT_EXTRAS" != core ]; then
+        # DeepSpeed (extras deepspeed and dev) is an sdist whose build imports torch: build
+        # it against the pinned torch already in .venv (no isolation, which would fetch
+        # another torch) and compile no op (DS_BUILD_OPS=0; ops are built on first use).
+        .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+            -c constraints.txt torch setuptools wheel
+        DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+            --no-build-isolation -c constraints.txt deepspeed
+    fi
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
         -c constraints.txt -e "$_target" 2> >(grep -v "^WARNING: Location" >&2)
     # keep the lines of this hash (another extras set), drop stale ones

@@ -9,6 +9,7 @@ from typing import Literal
 from ...errors import StepvaultError
 from .base import ImportedState, Importer
 from .dcp import DcpImporter
+from .deepspeed import DeepSpeedImporter
 from .hf import HF_WEIGHTS, HFImporter, hf_checkpoint_folders
 from .lightning import LightningImporter, as_lightning
 from .safetensors_file import SafetensorsImporter
@@ -24,10 +25,11 @@ IMPORTERS: dict[str, Importer] = {
         TorchImporter(),
         SafetensorsImporter(),
         DcpImporter(),
+        DeepSpeedImporter(),
     )
 }
 
-Format = Literal["hf", "lightning", "torch", "safetensors"]
+Format = Literal["hf", "lightning", "torch", "safetensors", "deepspeed"]
 #: The formats :func:`import_checkpoint` takes (``format=``, ``stepvault import --format``).
 FORMATS: tuple[str, ...] = tuple(n for n, i in IMPORTERS.items() if i.elsewhere is None)
 

@@ -1,0 +1,367 @@
+"""DeepSpeed ZeRO 1/2/3: the engine's checkpoints go through stepvault's collective save.
+
+::
+
+    import deepspeed
+    from stepvault import Every, KeepLast
+    from stepvault.integrations.deepspeed import DeepSpeedCheckpointer
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=opt,
+                                                           config=ds_config)
+    ckpt = DeepSpeedCheckpointer(engine, "ckpts", run="exp1",
+                                 save=Every(steps=500), keep=KeepLast(3))
+    ckpt.resume()                         # every rank; the newest that verifies, None if fresh
+    for batch in loader:
+        loss = engine(batch); engine.backward(loss); engine.step()
+        ckpt.save()                       # every rank; the policy decides
+    ckpt.close()
+
+How it plugs in: DeepSpeed writes a checkpoint through its ``checkpoint_engine``
+(``create``, one ``save(state_dict, path)`` per file, ``commit``). The checkpointer puts a
+:class:`StepvaultCheckpointEngine` there: ``save`` keeps each file's tree in memory and
+``commit`` hands every rank's files to one collective :class:`~stepvault.CheckpointManager`
+save — each rank writes its own ZeRO partitions in parallel through
+``torch.distributed.checkpoint`` with stepvault's storage (checksums, dedup, async staging),
+rank 0 commits once every rank succeeded (one atomic manifest), applies retention and
+holds the run's lease. Nothing is pickled: every file is stored packed
+(:func:`stepvault.ops.migrate.deepspeed.pack_file`), DeepSpeed's objects in the safe
+encoding. Each rank's RNG states (Python, numpy, torch) are saved beside them.
+
+Resume: rank 0 chooses the newest full checkpoint, every rank reads and verifies the files
+it needs (its own partition, the module states) and the ranks agree before any byte is
+placed; damage on any rank makes every rank fall back to the previous checkpoint together.
+Then DeepSpeed's own ``load_checkpoint`` loads those trees through the engine, so what
+DeepSpeed restores (module, ZeRO partitions, moments, scheduler, counters, client state)
+is exactly what its own save/load restores.
+
+:func:`load_fp32_state_dict` reads a checkpoint of any number of ranks in one process, as
+the full fp32 weights (for evaluation and export).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ._common import missing_framework
+
+try:
+    import deepspeed  # noqa: F401
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+        CheckpointCommitInfo,
+        CheckpointEngine,
+    )
+except ImportError as exc:
+    raise ImportError(missing_framework("deepspeed", "DeepSpeed", "deepspeed")) from exc
+
+import torch.distributed as dist
+
+from .._rank import current_rank
+from ..core.info import RestoreInfo, SkippedCheckpoint
+from ..core.planner import Source, share_choice
+from ..errors import StepvaultError
+from ..format import decode_value
+from ..manager import CheckpointManager, SaveHandle
+from ..ops.migrate.deepspeed import (
+    MODEL_STATES,
+    OPTIM_STATES,
+    consolidate,
+    pack_file,
+    register_deepspeed_types,
+    unpack_file,
+)
+from ..policy import KeepPolicy, SavePolicy
+from ..state import RNGState
+from ..store import Store
+
+__all__ = [
+    "DeepSpeedCheckpointer",
+    "StepvaultCheckpointEngine",
+    "load_fp32_state_dict",
+]
+
+_TAG = re.compile(r"global_step(\d+)$")
+
+
+class StepvaultCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's checkpoint engine, backed by a :class:`DeepSpeedCheckpointer`.
+
+    ``save`` keeps each file's tree (no byte is written); ``commit`` saves every rank's
+    files in one collective checkpoint; ``load`` answers from the checkpoint the last
+    :meth:`DeepSpeedCheckpointer.resume` read and verified.
+    """
+
+    def __init__(self, owner: DeepSpeedCheckpointer) -> None:
+        super().__init__(None)
+        self.name = "StepvaultCheckpointEngine"
+        self.owner = owner
+        self.files: dict[str, Any] = {}
+        self.loaded: dict[str, Any] = {}
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.files = {}
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        # DeepSpeed writes its 'latest' file and zero_to_fp32.py into the save directory
+        # itself: the directory must exist (the checkpoint's bytes never go there).
+        os.makedirs(path, exist_ok=True)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.files[os.path.basename(path)] = state_dict
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        name = os.path.basename(path)
+        if name not in self.loaded:
+            raise StepvaultError(
+                f"DeepSpeed asked for {name!r}, which the checkpoint restored on rank "
+                f"{current_rank()} does not hold ({sorted(self.loaded)}); load through "
+                "DeepSpeedCheckpointer.resume()"
+            )
+        return self.loaded[name]
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        files, self.files = self.files, {}
+        self.owner._commit(info.tag, files)
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        # DeepSpeed clones views before save() when this is False; the collective save
+        # stages its own copies, so the live tensors are handed over as they are.
+        return True
+
+
+class DeepSpeedCheckpointer:
+    """Save and resume a DeepSpeed engine (ZeRO 1/2/3) through a collective
+    :class:`~stepvault.CheckpointManager`; every rank calls every method.
+
+    Parameters: ``engine`` (what ``deepspeed.initialize`` returned), ``root``, ``run``,
+    ``save``/``keep`` policies and the manager's other keywords (``async_save``,
+    ``options``, ``tiers``...); ``rng``: save and restore each rank's RNG states
+    (DeepSpeed's own files hold none).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        root: str | os.PathLike[str] | Store,
+        run: str,
+        *,
+        save: SavePolicy | None = None,
+        keep: KeepPolicy | None = None,
+        rng: bool = True,
+        **manager: Any,
+    ) -> None:
+        register_deepspeed_types()
+        self.engine = engine
+        self.rng = RNGState() if rng else None
+        self.manager = CheckpointManager(root, run, save=save, keep=keep, **manager)
+        self.run = self.manager.run
+        #: DeepSpeed writes 'latest' and zero_to_fp32.py into its save directory and globs
+        #: the model-state names of a load there: a scratch folder of this process
+        self._scratch = tempfile.mkdtemp(prefix="stepvault-deepspeed-")
+        self.checkpoint_engine = StepvaultCheckpointEngine(self)
+        #: DeepSpeed's engine before this one (kept for saves the user makes on their own)
+        self.original_engine = engine.checkpoint_engine
+        engine.checkpoint_engine = self.checkpoint_engine
+        self._pending: dict[str, Any] = {}
+        self._handle: SaveHandle | None = None
+        #: the RestoreInfo of the last resume (None before one, or after a fresh start)
+        self.last_restore: RestoreInfo | None = None
+
+    # ------------------------------------------------------------------------- saving
+    def save(
+        self,
+        step: int | None = None,
+        *,
+        client_state: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> SaveHandle | None:
+        """Save when the policy says so (always with ``force``); ``step`` defaults to
+        ``engine.global_steps``. ``client_state``: extra values DeepSpeed stores with the
+        module states (its ``save_checkpoint(client_state=)``). Returns the save's handle
+        or None when no save was due."""
+        step = self.engine.global_steps if step is None else int(step)
+        if not force and not self.manager.should_save(step):
+            return None
+        self._pending = {"metrics": metrics, "step": step}
+        self._handle = None
+        try:
+            self.engine.save_checkpoint(
+                self._scratch,
+                tag=f"global_step{step}",
+                client_state=dict(client_state or {}),
+                save_latest=False,
+            )
+        finally:
+            self._pending = {}
+        return self._handle
+
+    def _commit(self, tag: str, files: dict[str, Any]) -> None:
+        """Every rank's files of one DeepSpeed save → one collective checkpoint."""
+        step = self._pending.get("step")
+        if step is None:  # a save_checkpoint() the framework made itself
+            m = _TAG.search(tag)
+            step = int(m.group(1)) if m else int(self.engine.global_steps)
+        state: dict[str, Any] = {"deepspeed": {n: pack_file(t) for n, t in files.items()}}
+        if self.rng is not None:
+            state["rng"] = self.rng
+        self._handle = self.manager.save(
+            step,
+            state,
+            force=True,
+            metrics=self._pending.get("metrics"),
+            metadata={"deepspeed": {"tag": tag, "world_size": _world()}},
+        )
+
+    def wait(self) -> None:
+        """Wait for the save in flight (its error is raised here)."""
+        self.manager.wait()
+
+    # ------------------------------------------------------------------------ resuming
+    def resume(self, step: int | str = "latest") -> RestoreInfo | None:
+        """Load the newest checkpoint that verifies on every rank (or ``step`` exactly)
+        into the engine; None when the run has none. Damage on any rank makes every rank
+        fall back together (``info.skipped``)."""
+        from ..distributed.agreement import try_candidates
+
+        self.manager.wait()
+        store = self.manager.store
+        source = Source(store, self.run)
+        ref: Any = step if step == "latest" else int(step)
+        offer = share_choice(source, lambda: source.choose(ref))
+        if not offer.steps:
+            self.last_restore = None
+            return None
+        loaded: dict[str, Any] = {}
+
+        def attempt(candidate: int, manifest: Any) -> None:
+            loaded.clear()
+            loaded.update(self._read(store, candidate, manifest))
+
+        chosen, manifest, skipped = try_candidates(store, self.run, offer, attempt)
+        files = {n: unpack_file(p) for n, p in loaded.get("deepspeed", {}).items()}
+        tag = f"global_step{chosen}"
+        folder = os.path.join(self._scratch, tag)
+        os.makedirs(folder, exist_ok=True)
+        for name in files:  # DeepSpeed lists the model-state files with glob
+            open(os.path.join(folder, name), "w").close()
+        self.checkpoint_engine.loaded = files
+        try:
+            path, _client = self.engine.load_checkpoint(self._scratch, tag=tag)
+        finally:
+            self.checkpoint_engine.loaded = {}
+            shutil.rmtree(folder, ignore_errors=True)
+        if path is None:
+            raise StepvaultError(f"{self.run}@{chosen}: DeepSpeed loaded nothing from it")
+        if self.rng is not None:
+            mine = loaded.get("rng", {}).get(f"rank{current_rank()}")
+            if mine is not None:
+                self.rng.load_state_dict(mine)
+        metadata = decode_value(manifest.metadata, lambda kind, name: None)
+        self.last_restore = RestoreInfo.of_manifest(
+            manifest, metadata, [SkippedCheckpoint(s, r) for s, r in skipped], 0.0
+        )
+        self.client_state = _client
+        return self.last_restore
+
+    def _needed(self, name: str) -> bool:
+        """Whether DeepSpeed's load on this rank reads file ``name``."""
+        rank = _dp_rank(self.engine)
+        own = name.startswith((f"zero_pp_rank_{rank}_", f"bf16_zero_pp_rank_{rank}_"))
+        if name.endswith(MODEL_STATES):
+            return own or "zero_pp_rank_" not in name
+        if name.endswith(OPTIM_STATES):
+            return own or bool(self.engine.zero_elastic_checkpoint())
+        return False
+
+    def _read(self, store: Store, step: int, manifest: Any) -> dict[str, Any]:
+        """Collective: the entries this rank needs of ``run@step``, read and verified on
+        every rank, the ranks agreeing before any rank uses a byte."""
+        import torch.distributed.checkpoint as dcp
+
+        from ..distributed.agreement import agree
+        from ..distributed.planners import SafeLoadPlanner, set_element
+        from ..distributed.storage import StepvaultReader
+        from ..format.encoding import torch_dtype
+
+        sharded = manifest.sharded or {}
+        entries, paths = sharded.get("entries", {}), sharded.get("paths", {})
+        targets: dict[str, Any] = {}
+        rank_key = f"rank{current_rank()}"
+        for fqn, entry in entries.items():
+            path = paths.get(fqn, [fqn])
+            top = path[0]
+            if top == "deepspeed":
+                if len(path) < 2 or not self._needed(str(path[1])):
+                    continue
+            elif top == "rng":
+                if self.rng is None or len(path) < 2 or path[1] != rank_key:
+                    continue
+            else:
+                continue
+            if entry["type"] == "tensor":
+                value: Any = torch.empty(entry["size"], dtype=torch_dtype(entry["dtype"]))
+            else:
+                value = None
+            set_element(targets, tuple(path), value)
+        reader = StepvaultReader(
+            store,
+            self.run,
+            step,
+            manifest=manifest,
+            verified=lambda damage: agree(store, damage, f"{self.run}@{step}"),
+        )
+        dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner())
+        return targets
+
+    # --------------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Wait for the save in flight, release the run and give DeepSpeed back its engine."""
+        try:
+            self.manager.close()
+        finally:
+            if self.engine.checkpoint_engine is self.checkpoint_engine:
+                self.engine.checkpoint_engine = self.original_engine
+            shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def __enter__(self) -> DeepSpeedCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _dp_rank(engine: Any) -> int:
+    group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
+    if group is not None and dist.is_initialized():
+        return dist.get_rank(group=group)
+    return current_rank()
+
+
+def load_fp32_state_dict(
+    root: str | os.PathLike[str] | Store, run: str, step: int | str = "latest"
+) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of a DeepSpeed checkpoint written by any number of ranks, in
+    one process and without a process group (for evaluation and export): every object
+    verified, the ZeRO partitions joined (:func:`stepvault.ops.migrate.deepspeed.consolidate`)."""
+    import stepvault
+
+    register_deepspeed_types()
+    vault = stepvault.open(root)
+    ref = run if step == "latest" else f"{run}@{int(step)}"
+    tree = vault.checkpoint(ref).load()
+    packed = tree.get("deepspeed")
+    if not isinstance(packed, Mapping):
+        raise StepvaultError(f"{ref}: not a DeepSpeed checkpoint (no 'deepspeed' entry)")
+    return consolidate({n: unpack_file(p) for n, p in packed.items()})
