@@ -33,6 +33,8 @@ Runs, each in its own process (one crash does not lose the others' sections):
                             closed port and an endpoint that never answers; close() time
 - ``bench_frameworks.py``   issue 30: a 2-rank Lightning FSDP2 job, stall and bytes of
                             stepvault's sharded saves vs Lightning's own
+- ``bench_deepspeed.py``    issue 30: a 2-rank DeepSpeed ZeRO-2 job, stall, durable save
+                            and bytes of stepvault's saves vs DeepSpeed's save_checkpoint
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -140,6 +142,11 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     ),
     # issue 30: a 2-rank Lightning FSDP2 job, stepvault vs Lightning's own sharded saves
     "frameworks": ([], ["--width", "128", "--layers", "2", "--saves", "2", "--every", "2"]),
+    # issue 30: a 2-rank DeepSpeed ZeRO-2 job, stepvault vs DeepSpeed's save_checkpoint
+    "deepspeed": (
+        ["--width", "768", "--layers", "6", "--saves", "6"],
+        ["--width", "128", "--layers", "2", "--saves", "2", "--every", "2"],
+    ),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core", "pipeline")
 #: modules of the ``[bench]`` extra that the full core run needs (real weights, zipnn)
