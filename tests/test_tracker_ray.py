@@ -8,6 +8,7 @@ checkpoint, and the run ends with the weights of a straight run, bitwise.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -15,23 +16,23 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("ray.train.torch")
-
-import ray
-import ray_workers
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-
 import stepvault
 from stepvault.catalog.events import read_events
-from stepvault.integrations.ray import POINTER, checkpoint_uri
 from stepvault.store import Store
+
+# Ray is imported by the test itself: importing it costs seconds that a default (fast)
+# run, which deselects this slow test, should not pay at collection.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason='needs Ray Train: pip install "stepvault[ray]"'
+)
 
 HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture
 def ray_cluster():
+    import ray
+
     src = str(HERE.parent / "src")
     env = {
         "PYTHONPATH": os.pathsep.join([str(HERE), src, os.environ.get("PYTHONPATH", "")]),
@@ -51,6 +52,12 @@ def ray_cluster():
 
 @pytest.mark.slow
 def test_torchtrainer_with_a_killed_worker_resumes_from_stepvault_bitwise(ray_cluster, tmp_path):
+    import ray_workers
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from stepvault.integrations.ray import POINTER, checkpoint_uri
+
     root, log = tmp_path / "ckpts", tmp_path / "attempts"
     log.mkdir()
     trainer = TorchTrainer(
