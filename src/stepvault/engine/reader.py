@@ -390,8 +390,8 @@ class CheckpointReader:
                 bad = next((b for b in found if b is not None), None)
             if bad is not None:
                 err = CorruptObjectError(
-                    f"object {digest[:16]}… content does not match its checksum at "
-                    f"segment {bad} (bit rot or tampering)"
+                    f"object {digest[:16]}… content does not match its hash (the xxh3-128 "
+                    f"checksum of segment {bad} differs: bit rot or tampering)"
                 )
                 err.digest = digest
                 raise err

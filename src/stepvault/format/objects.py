@@ -255,8 +255,8 @@ def decode_object(
         bad = check_segments(raw, header.sums.hex, header.sums.segment)
         if bad is not None:
             raise CorruptObjectError(
-                f"object {expected_digest[:16]}… content does not match its checksum at "
-                f"segment {bad} (bit rot or tampering)"
+                f"object {expected_digest[:16]}… content does not match its hash (the xxh3-128 "
+                f"checksum of segment {bad} differs: bit rot or tampering)"
             )
         return raw
     if verify and content_hash(raw) != expected_digest:
