@@ -9,8 +9,10 @@ stepvault`` checkpoints through :class:`DeepSpeedCheckpointer`; ``--mode native`
 DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` (each rank's RNG in a side file,
 as DeepSpeed keeps none). ``--hold-after N``: after the checkpoint at step N is committed,
 rank 0 prints ``COMMITTED N`` and every rank waits to be killed (``--pid-dir``: where
-each rank writes its pid). At the end rank 0 writes
-the full fp32 weights and Adam moments to ``--out`` (``torch.save``, read by the test).
+each rank writes its pid). ``--on-signal``: the policy also saves on SIGTERM, then every
+rank exits with 143 (``--step-sleep`` slows the steps for a signal to land mid-run). At the
+end rank 0 writes the full fp32 weights and Adam moments to ``--out`` (``torch.save``, read
+by the test).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> int:
     p.add_argument("--hold-after", type=int, default=0)
     p.add_argument("--out", default="")
     p.add_argument("--pid-dir", default="", help="each rank writes rank<r>.pid here")
+    p.add_argument("--on-signal", action="store_true", help="save on SIGTERM, then exit 143")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -74,10 +78,15 @@ def main() -> int:
     ckpt = None
     if args.mode == "stepvault":
         from stepvault.integrations.deepspeed import DeepSpeedCheckpointer
-        from stepvault.policy import Every, KeepLast
+        from stepvault.policy import Every, KeepLast, OnSignal
 
+        policy = Every(steps=args.save_every)
         ckpt = DeepSpeedCheckpointer(
-            engine, args.root, args.run, save=Every(steps=args.save_every), keep=KeepLast(3)
+            engine,
+            args.root,
+            args.run,
+            save=policy | OnSignal() if args.on_signal else policy,
+            keep=KeepLast(3),
         )
         info = ckpt.resume()
         if rank == 0:
@@ -92,6 +101,8 @@ def main() -> int:
     sys.stdout.flush()
 
     while engine.global_steps < args.steps:
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         x = batch(engine.global_steps, rank)
         loss = (engine(x) - x[:, :8].sin()).square().mean()
         engine.backward(loss)
