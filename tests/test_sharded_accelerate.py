@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,10 +31,11 @@ SCRIPT = Path(__file__).parent / "scripts" / "accelerate_fsdp2_state.py"
 
 
 def test_accelerate_fsdp2_save_restore_bitwise_and_restores_in_one_process(tmp_path):
-    out = run_job(torchrun(SCRIPT, str(tmp_path)))
+    native = tmp_path / "native"
+    out = run_job(torchrun(SCRIPT, str(tmp_path / "store"), str(native)))
     assert "RANK 0 OK" in out and "RANK 1 OK" in out
     weights = next(line.split()[1] for line in out.splitlines() if line.startswith("WEIGHTS"))
-    manifest = stepvault.open(tmp_path).manifest("fsdp2", 3)
+    manifest = stepvault.open(tmp_path / "store").manifest("fsdp2", 3)
     assert manifest.sharded  # each rank wrote its own shards
 
     # 2 ranks -> 1 process: the FSDP2 checkpoint restores into the plain module.
@@ -40,7 +43,9 @@ def test_accelerate_fsdp2_save_restore_bitwise_and_restores_in_one_process(tmp_p
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
     plain = worker.build()
-    info = stepvault.restore(tmp_path, {"model": plain}, run="fsdp2", step=3, strict=False)
+    info = stepvault.restore(
+        tmp_path / "store", {"model": plain}, run="fsdp2", step=3, strict=False
+    )
     assert info is not None and info.step == 3
     assert worker.weights_digest(plain) == weights
     h = hashlib.sha256()
@@ -50,3 +55,19 @@ def test_accelerate_fsdp2_save_restore_bitwise_and_restores_in_one_process(tmp_p
     for t in worker.build().state_dict().values():
         fresh.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     assert h.digest() != fresh.digest()  # the trained weights, not an untouched module
+
+    # Accelerate's own FSDP folder of the same step (pytorch_model_fsdp_0, a DCP directory
+    # of the sharded weights) imports with the CLI and holds the same weights.
+    imported = tmp_path / "imported"
+    cli = [sys.executable, "-m", "stepvault.cli.main", "--root", str(imported), "import"]
+    done = subprocess.run(
+        [*cli, str(native / "pytorch_model_fsdp_0"), "--run", "acc", "--step", "3", "--trust"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "missing optimizer" in done.stdout
+    again = worker.build()
+    stepvault.restore(imported, {"model": again}, run="acc", step=3, strict=False)
+    assert worker.weights_digest(again) == weights

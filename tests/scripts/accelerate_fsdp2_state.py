@@ -3,7 +3,11 @@ optimizer sharded by ``fully_shard``) saves through ``AcceleratorCheckpointer`` 
 rank, trains on, restores and trains the same steps again: every rank must draw the same
 numbers and end with the same shards, bitwise (its own RNG state and shards, not rank 0's).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 accelerate_fsdp2_state.py ROOT
+    python -m torch.distributed.run --standalone --nproc_per_node 2 accelerate_fsdp2_state.py \
+        ROOT [NATIVE_DIR]
+
+With NATIVE_DIR, ``accelerator.save_state(NATIVE_DIR)`` also writes Accelerate's own FSDP
+folders (``pytorch_model_fsdp_0/``, ``optimizer_0/``) of the step-3 state.
 
 Prints ``RANK <r> OK`` on each rank.
 
@@ -20,7 +24,7 @@ import os
 import sys
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 
@@ -31,6 +35,8 @@ def cpu_fsdp2_accelerator() -> Accelerator:
     """TEST-ONLY: an Accelerator whose prepare() shards with FSDP2 on CPU processes."""
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
     acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    # Both shared states: every AcceleratorState() made later copies PartialState's type.
+    PartialState().distributed_type = DistributedType.FSDP
     acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin
     return acc
@@ -57,14 +63,13 @@ def build() -> torch.nn.Module:
     )
 
 
-def main(root: str) -> None:
+def main(root: str, native: str | None = None) -> None:
     torch.manual_seed(0)
     acc = cpu_fsdp2_accelerator()
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     model, opt, sched = acc.prepare(model, opt, sched)
-    acc.state.distributed_type = DistributedType.FSDP  # TEST-ONLY: prepare() reset it
     assert acc.is_fsdp2 and any(isinstance(p, DTensor) for p in model.parameters())
     torch.manual_seed(100 + acc.process_index)  # the ranks' RNGs differ
 
@@ -85,11 +90,14 @@ def main(root: str) -> None:
         return [*shards, *moments, torch.tensor(sched.get_last_lr()), torch.rand(3)]
 
     progress = {"epoch": 1}
+    assert acc.is_fsdp2, acc.distributed_type  # the patch holds (see the top)
     ckpt = AcceleratorCheckpointer(acc, root, run="fsdp2", extra=progress, async_save=True)
     assert ckpt.restore() is None
     train(3)
     ckpt.save(3, force=True)
     ckpt.wait()
+    if native:  # Accelerate's own FSDP save of the same state (for the import test)
+        acc.save_state(native)
     weights = weights_digest(model)  # collective: the full weights at step 3
     if acc.is_main_process:
         print(f"WEIGHTS {weights}", flush=True)
@@ -105,6 +113,6 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
     sys.stdout.flush()
     os._exit(0)  # see tests/scripts/accelerate_ddp_state.py
