@@ -57,3 +57,12 @@ def test_model_parallel_strategy_save_and_load_are_taken_over_and_given_back(tmp
     undo()
     assert strategy.save_checkpoint == own_save and strategy.load_checkpoint == own_load
     assert trainer.strategy is strategy
+
+
+def test_a_sharding_strategy_on_one_device_is_refused_with_the_way_out(tmp_path):
+    # One process: the DTensor state would need a collective save of more ranks.
+    ckpt = StepvaultCheckpoint(tmp_path, run="r")
+    trainer = _trainer(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    with pytest.raises(StepvaultError, match=r"on one device.*strategy=\"auto\""):
+        ckpt.setup(trainer, _Module(), "fit")
+    assert ckpt.manager is None

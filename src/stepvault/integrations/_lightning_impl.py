@@ -290,8 +290,16 @@ class CheckpointMixin:
         self._sharded = self._sharding_strategy(strategy)
         if trainer.world_size > 1 and not self._sharded:
             self._check_strategy(strategy)
-        if self._sharded and self._untake is None:
+        if self._sharded:
             _check_fsdp_mesh(strategy)
+        if self._sharded and trainer.world_size == 1:
+            raise StepvaultError(
+                f"StepvaultCheckpoint does not support {type(strategy).__name__} on one "
+                "device: its DTensor state needs a collective save over more than one rank. "
+                'Train one device with strategy="auto" (a plain module), or use two or more '
+                "devices"
+            )
+        if self._sharded and self._untake is None:
             self._untake = self._take_over(strategy)
         if not isinstance(strategy.checkpoint_io, CheckpointIOMixin):
             self._io = self._io_class(self, strategy.checkpoint_io)
