@@ -352,7 +352,8 @@ class CheckpointMixin:
             name = type(strategy).__name__
             why = (
                 "DeepSpeed writes its own ZeRO partition files through its engine, which "
-                "stepvault does not drive yet"
+                "StepvaultCheckpoint does not drive yet (a DeepSpeed loop of your own saves "
+                "through stepvault.integrations.deepspeed.DeepSpeedCheckpointer)"
                 if "DeepSpeed" in name
                 else "it shards the model or writes its own checkpoint files, and a "
                 "checkpoint written from rank 0 alone would miss the other ranks' shards"
