@@ -53,7 +53,9 @@ function tickFormatter(u, splits) {
   const big = Math.max(...splits.map(v => Math.abs(v)));
   if (big !== 0 && (big < 1e-3 || big >= 1e6)) return splits.map(v => v.toExponential(2));
   const digits = Math.min(12, Math.max(0, -Math.floor(Math.log10(step)) + 1));
-  return splits.map(v => v.toFixed(digits).replace(/\.?0+$/, "") || "0");
+  // trailing zeros of the decimals only: 20 stays 20, 0.500 reads 0.5
+  const trim = t => (t.includes(".") ? t.replace(/0+$/, "").replace(/\.$/, "") : t);
+  return splits.map(v => trim(v.toFixed(digits)));
 }
 function fullValue(u, v) { return v === null || v === undefined ? "–" : String(v); }
 function xRange(u, min, max) {
