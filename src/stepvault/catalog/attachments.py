@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.reader import fetch_object
+from ..engine.fetch import fetch_object
 from ..errors import CheckpointNotFoundError
 from ..format.attachments import (
     RECORD_FORMAT,

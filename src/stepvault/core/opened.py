@@ -60,7 +60,7 @@ def open_checkpoint(
     ``"full"`` with BLAKE3; a signed checkpoint is always read ``"full"`` (its signature
     covers BLAKE3 names; a non-cryptographic checksum could be forged to match)."""
     from ..engine import CheckpointReader
-    from ..engine.reader import check_verify_mode
+    from ..engine.fetch import check_verify_mode
 
     mode = check_verify_mode(verify)
     manifest = parse_manifest(store.read_manifest(run, step), f"{run}@{step}")

@@ -126,7 +126,7 @@ def restore(
         located = parse_located_ref(str(root))
         root, run, step = located.root, located.run, located.step
     validate_run_name(run)
-    from ..engine.reader import check_verify_mode
+    from ..engine.fetch import check_verify_mode
 
     check_verify_mode(verify)
     if is_collective(state, collective):

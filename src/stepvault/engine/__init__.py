@@ -13,7 +13,7 @@ from .._lazy import lazy_getattr
 _LAZY = {
     "CheckpointReader": ".reader",
     "PendingArray": ".reader",
-    "fetch_object": ".reader",
+    "fetch_object": ".fetch",
     "HostArray": ".staging",
     "from_bytes": ".staging",
     "to_host": ".staging",
@@ -28,7 +28,8 @@ __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 if TYPE_CHECKING:
-    from .reader import CheckpointReader, PendingArray, fetch_object
+    from .fetch import fetch_object
+    from .reader import CheckpointReader, PendingArray
     from .staging import HostArray, from_bytes, to_host
     from .writer import WriteStats, default_workers, write_checkpoint, write_objects
 

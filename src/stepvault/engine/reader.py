@@ -19,20 +19,28 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CorruptObjectError, MissingObjectError
+from ..errors import CorruptObjectError
 from ..format.dtypes import dtype_info
 from ..format.encoding import torch_dtype, torch_dtype_name
-from ..format.hashing import one_thread_per_hash
 from ..format.manifest import Manifest, TensorEntry
-from ..format.objects import ObjectHeader, decode_object, parse_header
-from ..format.xor_codec import MAX_CHAIN
+from ..format.objects import parse_header
 from ..store import Store
 from .copying import parallel_copy
+from .fetch import (
+    DEFAULT_READ_AHEAD,
+    SEGMENTS_PER_THREAD,
+    PartialObject,
+    VerifyMode,
+    check_verify_mode,
+    fetch_object,
+    fetch_pipelined,
+    is_signed,
+    segment_pool,
+)
 from .fresh_memory import FreshMemory
 from .writer import default_workers
 
@@ -41,161 +49,6 @@ if TYPE_CHECKING:
 
 # torch (and .staging, which needs it) is imported where tensors are built, not here:
 # listing and inspecting a store reads manifests through this module without torch.
-
-
-#: How a read verifies objects: ``"fast"`` with their segment checksums where recorded
-#: (BLAKE3 otherwise), ``"full"`` always with BLAKE3 (signed checkpoints, ``verify --deep``).
-VerifyMode = Literal["fast", "full"]
-VERIFY_MODES = ("fast", "full")
-
-#: Bytes a whole-checkpoint read fetches ahead of verification (memory for remote objects,
-#: page cache for mapped local ones).
-DEFAULT_READ_AHEAD = 512 << 20
-
-
-def check_verify_mode(verify: str) -> VerifyMode:
-    """``verify`` if it is a known mode, else a ValueError naming the choices."""
-    if verify not in VERIFY_MODES:
-        raise ValueError(
-            f"verify={verify!r}: use 'fast' (segment checksums where recorded, the default) "
-            "or 'full' (BLAKE3 of every byte)"
-        )
-    return verify  # type: ignore[return-value]
-
-
-def is_signed(store: Store, run: str, step: int) -> bool:
-    """Whether ``run@step`` has a signature record in ``store`` (any tier of a view); an
-    unreadable one counts as signed (the careful reading)."""
-    try:
-        return store.read_signature(run, step) is not None
-    except Exception:  # any doubt reads with BLAKE3
-        return True
-
-
-def read_object_bytes(store: Store, digest: str) -> memoryview | bytes:
-    """The stored (encoded) bytes of one object: a private map on local disk (the kernel
-    reads it ahead), else the downloaded bytes. Errors are store errors of the object."""
-    try:
-        buf: memoryview | bytes | None = store.map_object(digest)
-        if buf is None:
-            buf = store.read_object(digest)
-        return buf
-    except FileNotFoundError:
-        raise MissingObjectError(
-            f"object {digest[:16]}… is missing from {store.backend.url}"
-        ) from None
-    except OSError as exc:
-        # ELOOP (a symlink planted in the store), EISDIR, EACCES...: never followed, never
-        # fatal to the fallback logic; the object is simply unusable.
-        err = CorruptObjectError(f"object {digest[:16]}… cannot be read safely: {exc}")
-        err.digest = digest
-        raise err from None
-
-
-def fetch_object(
-    store: Store,
-    digest: str,
-    *,
-    verify: bool = True,
-    max_chain: int = MAX_CHAIN,
-    fast: bool = False,
-    buf: memoryview | bytes | None = None,
-) -> memoryview:
-    """Decoded, verified bytes of one object (a private copy-on-write map when raw on disk).
-
-    ``fast``: verify with the object's segment checksums where it has them (BLAKE3
-    otherwise); ``buf``: its stored bytes, already read (:func:`read_object_bytes`). A
-    delta object's base is fetched from ``store`` too (through a tier view: from any
-    tier), verified, with a chain at most ``max_chain`` links long."""
-    if buf is None:
-        buf = read_object_bytes(store, digest)
-    try:
-        raw = decode_object(
-            buf,
-            digest,
-            verify=verify,
-            base=base_reader(store, fast=fast),
-            max_chain=max_chain,
-            fast=fast,
-        )
-    except CorruptObjectError as exc:
-        if exc.digest is None:  # a damaged base keeps its own name: that one is set aside
-            exc.digest = digest
-        raise
-    if raw.readonly:
-        raw = memoryview(bytearray(raw))
-    return raw
-
-
-def base_reader(store: Store, *, fast: bool = False) -> Callable[[str, int], memoryview]:
-    """Reads delta bases from ``store`` (for :func:`~stepvault.format.objects.decode_object`)."""
-    return lambda digest, max_chain: fetch_object(store, digest, max_chain=max_chain, fast=fast)
-
-
-#: Segments each thread checks, at least, when a partial read spreads its checks.
-_SEGMENTS_PER_THREAD = 4
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-
-
-def _segment_pool() -> ThreadPoolExecutor:
-    """Threads that check the segments of one large partial read (made once, kept)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(
-                max_workers=default_workers(), thread_name_prefix="stepvault-verify"
-            )
-        return _pool
-
-
-class _ByteBudget:
-    """At most ``limit`` bytes taken at once (one item of any size when none is taken),
-    granted in order: item ``seq`` only after item ``seq - 1``. In order, because the
-    verifiers consume in order: were a later read granted first, the budget could fill
-    with objects no verifier reaches while the one they wait for can never be read.
-    :meth:`stop` wakes every waiter for good (a failed read ends the pipeline)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.taken = 0
-        self.next = 0
-        self.stopped = False
-        self._cond = threading.Condition()
-
-    def take(self, seq: int, n: int) -> bool:
-        with self._cond:
-            while not self.stopped and (
-                seq != self.next or (self.taken and self.taken + n > self.limit)
-            ):
-                self._cond.wait()
-            if self.stopped:
-                return False
-            self.taken += n
-            self.next += 1
-            self._cond.notify_all()
-            return True
-
-    def give(self, n: int) -> None:
-        with self._cond:
-            self.taken -= n
-            self._cond.notify_all()
-
-    def stop(self) -> None:
-        with self._cond:
-            self.stopped = True
-            self._cond.notify_all()
-
-
-class _Partial:
-    """A raw object mapped but not verified whole: the segments verified so far."""
-
-    __slots__ = ("header", "raw", "verified")
-
-    def __init__(self, header: ObjectHeader, raw: memoryview) -> None:
-        self.header = header
-        self.raw = raw
-        self.verified: set[int] = set()
 
 
 def is_mapped(view: memoryview) -> bool:
@@ -241,7 +94,7 @@ class CheckpointReader:
         #: bytes fetched ahead of verification in :meth:`prefetch`
         self.read_ahead = read_ahead
         self._objects: dict[str, memoryview] = {}
-        self._partial: dict[str, _Partial | None] = {}
+        self._partial: dict[str, PartialObject | None] = {}
         self._handed_out: set[tuple[str, int, int]] = set()
         self._lock = threading.Lock()
 
@@ -262,55 +115,22 @@ class CheckpointReader:
         the next objects overlap the verification of the current ones (a cold restore is
         bound by the storage, not by read + verify one after the other)."""
         todo = [d for d in dict.fromkeys(digests) if d not in self._objects]
-        if not todo:
-            return
         sizes = {d: e.size for d, e in self.manifest.objects.items()}
-        total, done = sum(sizes.get(d, 0) for d in todo), 0
-        # With at least one object per thread the pool keeps every core busy; BLAKE3's own
-        # threads are for fewer, larger objects.
-        spread = len(todo) >= self.workers
-        budget = _ByteBudget(self.read_ahead)
 
-        def read(seq: int, digest: str) -> memoryview | bytes | None:
-            if not budget.take(seq, sizes.get(digest, 0)):
-                return None  # the pipeline stopped (an earlier object failed)
-            return read_object_bytes(self.store, digest)
+        def verified(digest: str, raw: memoryview) -> None:
+            self._objects[digest] = raw
+            self._partial.pop(digest, None)
 
-        def verify(digest: str, fetched: Future[memoryview | bytes | None]) -> memoryview:
-            try:
-                buf = fetched.result()
-                if buf is None:
-                    raise CorruptObjectError("the read pipeline stopped")
-                if not spread:
-                    return fetch_object(self.store, digest, fast=self.fast, buf=buf)
-                with one_thread_per_hash():
-                    return fetch_object(self.store, digest, fast=self.fast, buf=buf)
-            finally:
-                budget.give(sizes.get(digest, 0))
-
-        # Reads wait on the device (or the network), not on a core: more of them than
-        # verifier threads keeps the storage busy.
-        readers = ThreadPoolExecutor(max_workers=max(4, 2 * self.workers))
-        try:
-            with ThreadPoolExecutor(max_workers=self.workers) as pool:
-                reads = [readers.submit(read, i, d) for i, d in enumerate(todo)]
-                checks = [pool.submit(verify, d, f) for d, f in zip(todo, reads)]
-                for digest, check in zip(todo, checks):
-                    try:
-                        raw = check.result()
-                    except BaseException:
-                        budget.stop()
-                        for c in checks:
-                            c.cancel()
-                        raise
-                    self._objects[digest] = raw
-                    self._partial.pop(digest, None)
-                    if progress is not None:
-                        done += sizes.get(digest, 0)
-                        progress(done, total)
-        finally:
-            budget.stop()
-            readers.shutdown(wait=True, cancel_futures=True)
+        fetch_pipelined(
+            self.store,
+            todo,
+            sizes,
+            workers=self.workers,
+            read_ahead=self.read_ahead,
+            fast=self.fast,
+            verified=verified,
+            progress=progress,
+        )
 
     def _object(self, digest: str) -> memoryview:
         raw = self._objects.get(digest)
@@ -331,10 +151,10 @@ class CheckpointReader:
                 return self._check_piece(digest, partial, off, length)
         return self._object(digest)[off : off + length]
 
-    def _partial_object(self, digest: str) -> _Partial | None:
+    def _partial_object(self, digest: str) -> PartialObject | None:
         if digest in self._partial:
             return self._partial[digest]
-        found: _Partial | None = None
+        found: PartialObject | None = None
         try:
             mapped = self.store.map_object(digest)  # None where the backend cannot map
         except OSError:
@@ -360,12 +180,14 @@ class CheckpointReader:
                     )
                     err.digest = digest
                     raise err
-                found = _Partial(header, memoryview(mapped)[header.payload_offset :])
+                found = PartialObject(header, memoryview(mapped)[header.payload_offset :])
         with self._lock:
             self._partial[digest] = found
         return found
 
-    def _check_piece(self, digest: str, partial: _Partial, off: int, length: int) -> memoryview:
+    def _check_piece(
+        self, digest: str, partial: PartialObject, off: int, length: int
+    ) -> memoryview:
         from ..format.hashing import check_segments
 
         sums = partial.header.sums
@@ -375,13 +197,13 @@ class CheckpointReader:
             first, last = wanted[0], wanted[-1]
             # Many segments (a large tensor): spread over the cores (xxhash releases the
             # GIL); a few: here, a pool hop costs more than it saves.
-            groups = min(self.workers, (last - first + 1) // _SEGMENTS_PER_THREAD)
+            groups = min(self.workers, (last - first + 1) // SEGMENTS_PER_THREAD)
             if groups < 2:
                 bad = check_segments(partial.raw, sums.hex, sums.segment, first, last)
             else:
                 step = -(-(last - first + 1) // groups)
                 spans = [(a, min(last, a + step - 1)) for a in range(first, last + 1, step)]
-                found = _segment_pool().map(
+                found = segment_pool().map(
                     lambda span: check_segments(
                         partial.raw, sums.hex, sums.segment, span[0], span[1]
                     ),

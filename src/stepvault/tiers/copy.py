@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.reader import base_reader
+from ..engine.fetch import base_reader
 from ..errors import CheckpointExistsError, CorruptObjectError, MissingObjectError, StepvaultError
 from ..format import parse_manifest
 from ..format.codecs import choose_codec
