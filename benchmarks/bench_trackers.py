@@ -191,6 +191,7 @@ def main() -> None:
         ),
     ]  # fmt: skip
     modes = [("back to back", 0.0), (f"{args.interval:g} s of training between", args.interval)]
+    train_for(1.0)  # warm-up: torch's first ops in a process are slower
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {
         (mode, name): [] for mode, _ in modes for name, _ in cases
     }
@@ -199,7 +200,9 @@ def main() -> None:
         # should see the same drift.
         for r in range(args.rounds):
             for mode, interval in modes:
-                for name, make in cases:
+                # each round starts with another case: a load that grows or falls
+                # during a round does not always land on the same case
+                for name, make in cases[r % len(cases) :] + cases[: r % len(cases)]:
                     where = work / f"{len(os.listdir(work))}-{r}"
                     one = run_case(where, args.size_mb, args.saves, make(), interval)
                     runs[(mode, name)].append(one)
@@ -286,6 +289,8 @@ def main() -> None:
     # The machine's own noise: how far apart the no-tracker case's rounds are.
     alone = [statistics.median(one["stalls"]) for one in runs[(spaced, "no tracker")]]
     noise = max(alone) / min(alone) if min(alone) > 0 else 1.0
+    rates = [one["compute"] for one in runs[(spaced, "no tracker")] if one["compute"]]
+    rate_noise = max(rates) / min(rates) if rates and min(rates) > 0 else 1.0
     lines += [
         f"Target (saves between training, as in a run): stall with a tracker ≤ "
         f"{STALL_RATIO}× the stall without one, whatever the tracker does: worst "
@@ -296,7 +301,8 @@ def main() -> None:
             ": the difference is within the machine's noise, not a measured cost."
             if worst[spaced] <= noise
             else ": the difference exceeds the machine's noise."
-        ),
+        )
+        + f" Its training rate differs by {rate_noise:.2f}× between rounds.",
         "",
         "A tracker that never answers costs `close()` its `close_timeout` (its checkpoints "
         "are then `tracker_failed`), nothing before; with the server up `close()` waits "
