@@ -384,3 +384,24 @@ def test_compare_two_checkpoints_is_stepvault_diff_in_the_page(trained):
     assert missing.status_code == 404 and f"{RUN}@7" in missing.text
     bad = client.get(f"/api/runs/{RUN}/checkpoints/{b}/compare", params={"with": "../x@1"})
     assert bad.status_code == 400
+
+
+def test_a_checkpoint_thinned_while_the_page_is_open_is_shown_thinned(tmp_path):
+    root = tmp_path / "store"
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CheckpointManager(root, run="th", save=Every(steps=1), async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": model, "optimizer": opt}, metrics={"loss": 1 / step})
+    client = TestClient(create_app(str(root)), base_url=BASE)
+    kinds = {c["step"]: c["kind"] for c in client.get("/api/runs/th").json()["checkpoints"]}
+    assert kinds == {1: "full", 2: "full", 3: "full"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepvault.cli.main", "--root", str(root), "gc", "th",
+         "--keep-last", "3", "--thin-after-steps", "1", "--grace", "0s"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    # within the same server (its records cached): the rewritten manifests are read again
+    kinds = {c["step"]: c["kind"] for c in client.get("/api/runs/th").json()["checkpoints"]}
+    assert kinds[1] == "weights" and kinds[3] == "full", kinds

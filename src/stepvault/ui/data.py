@@ -45,6 +45,8 @@ EVENTS_LIMIT = 1000
 TABLE_ROWS = 200
 #: Longest list of steps a retention preview spells out; longer ones are ranges.
 PREVIEW_ENTRIES = 60
+#: Events after which a step's manifest is not the one read before.
+_REWRITES = ("thin", "repair", "quarantine", "save", "delete")
 #: Events that change what a run page shows of existing checkpoints (marks, tiers).
 _MARK_EVENTS = (
     "pin",
@@ -80,6 +82,8 @@ class StoreReader:
     _events: dict[str, tuple[int, list[dict[str, Any]]]] = field(
         init=False, repr=False, default_factory=dict
     )
+    #: events of the run already applied to its record cache
+    _records_seen: dict[str, int] = field(init=False, repr=False, default_factory=dict)
     records_born: float = field(init=False, default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -87,11 +91,20 @@ class StoreReader:
 
     def records(self, view: Store, run: str) -> list[Any]:
         """``checkpoint_records`` of ``run`` in ``view``, reading only manifests not read
-        since the last :meth:`forget_records` (annotations and pins: every call)."""
-        return checkpoint_records(view, run, self._records.setdefault(run, {}))
+        since the last :meth:`forget_records` (annotations and pins: every call), and again
+        those the event log says were rewritten since (thinned, repaired, saved anew)."""
+        cache = self._records.setdefault(run, {})
+        events = self.events(view, run)
+        seen = self._records_seen.get(run, len(events))
+        for e in events[seen:]:
+            if e.get("event") in _REWRITES and type(e.get("step")) is int:
+                cache.pop(e["step"], None)
+        self._records_seen[run] = len(events)
+        return checkpoint_records(view, run, cache)
 
     def forget_records(self) -> None:
         self._records = {}
+        self._records_seen = {}
         self._events = {}
         self.records_born = time.monotonic()
 
