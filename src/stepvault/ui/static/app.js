@@ -178,7 +178,10 @@ function metricData(doc, name) {
 function renderMetrics(box, doc) {
   const names = Object.keys(doc.metrics).sort();
   if (!names.length) { box.textContent = ""; box.append(el("p", {}, "no metrics recorded")); return; }
-  const shape = names.join(",") + "|" + logScale + "|" + (compareDoc ? compareDoc.run : "");
+  // a chart of one point has a fixed x-range around it: drawn anew when a second comes
+  const single = names.filter(n => (doc.metrics[n] || []).length === 1).join(",");
+  const shape = names.join(",") + "|" + logScale + "|" + (compareDoc ? compareDoc.run : "") +
+    "|" + single;
   if (box._shape === shape) {
     for (const name of names) update(charts.metrics[name], metricData(doc, name));
     return;
@@ -203,8 +206,10 @@ function renderMetrics(box, doc) {
                    value: fullValue, spanGaps: true});
     }
     const y = {distr: logScale && positive ? 3 : 1};
+    const one = data[0].length === 1 ? [data[0][0] - 1, data[0][0] + 1] : null;
     const u = new uPlot({width: width(chart), height: 200,
-                         scales: {x: {time: false, range: xRange}, y},
+                         scales: {x: one ? {time: false, auto: false, range: one}
+                                         : {time: false, range: xRange}, y},
                          cursor: {sync: {key: "run-" + doc.run}},
                          axes: [{label: "step", values: tickFormatter},
                                 {values: tickFormatter, size: 70}],
