@@ -414,7 +414,9 @@ def create_app(
 
     async def missing(request: Request, exc: Exception) -> Response:
         if getattr(exc, "status_code", 500) == 404:
-            return await not_found(request, exc if str(exc) != "Not Found" else _NoPage(request))
+            if str(exc) == "Not Found":  # starlette's own: say which page
+                exc = LookupError(f"no page at {request.url.path[:200]}")
+            return await not_found(request, exc)
         from starlette.exceptions import HTTPException
 
         assert isinstance(exc, HTTPException)
@@ -436,8 +438,3 @@ def create_app(
             404: missing,
         },
     )
-
-
-class _NoPage(Exception):
-    def __init__(self, request: Request) -> None:
-        super().__init__(f"no page at {request.url.path[:200]}")
