@@ -32,6 +32,7 @@ from helpers import flip_byte, object_path
 import stepvault
 from stepvault.errors import UntrustedInputError
 from stepvault.ops.migrate.deepspeed import (
+    consolidate,
     pack_file,
     read_tag,
     register_deepspeed_types,
@@ -205,6 +206,7 @@ def test_zero2_sigkill_resume_bitwise_against_deepspeed_and_straight(tmp_path):
 
     # 2 -> 1: the 2-rank checkpoint as full fp32 weights in this process, no group
     from stepvault.integrations.deepspeed import load_fp32_state_dict
+    from stepvault.ops.migrate import import_checkpoint
 
     weights = load_fp32_state_dict(store, "ds", 16)
     final = torch.load(straight)
@@ -216,9 +218,19 @@ def test_zero2_sigkill_resume_bitwise_against_deepspeed_and_straight(tmp_path):
     )
     model.load_state_dict(weights)
 
-    # DeepSpeed's own global_step16 folder imported: consolidated weights, files kept
-    from stepvault.ops.migrate import import_checkpoint
+    # Training continues from an import of DeepSpeed's own global_step12 (files kept): the
+    # engine resumed from the store holds DeepSpeed's fp32 weights of step 12
+    imp = tmp_path / "imp"
+    import_checkpoint(imp, native / "global_step12", run="ds", trust=True)
+    at12 = ["--stage", "2", "--steps", "12", "--save-every", "4", "--no-moments"]
+    out = _run("--root", str(imp), *at12, "--out", str(tmp_path / "imp12.pt"))
+    assert "RESUMED 12 skipped=0" in out and "ResumeGapWarning" in out  # no RNG in DeepSpeed's
+    want = consolidate(read_tag(str(native / "global_step12"), trust=True))
+    got = torch.load(tmp_path / "imp12.pt")
+    assert got.keys() == want.keys()
+    assert [k for k in got if not torch.equal(got[k], want[k])] == []
 
+    # DeepSpeed's own global_step16 folder imported: consolidated weights, files kept
     imported = tmp_path / "imported"
     import_checkpoint(imported, native / "global_step16", run="ds-import", trust=True)
     back = {

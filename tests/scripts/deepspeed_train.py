@@ -52,6 +52,12 @@ def main() -> int:
     p.add_argument("--pid-dir", default="", help="each rank writes rank<r>.pid here")
     p.add_argument("--on-signal", action="store_true", help="save on SIGTERM, then exit 143")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
+    p.add_argument(
+        "--no-moments",
+        action="store_true",
+        help="--out holds the weights only (DeepSpeed links the Adam moments to the "
+        "parameters at the first step after a load: a job that takes none cannot read them)",
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -127,7 +133,7 @@ def main() -> int:
     full: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters():
         full[name] = safe_get_full_fp32_param(param).clone()
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in () if args.no_moments else ("exp_avg", "exp_avg_sq"):
             full[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).clone()
     if ckpt is not None:
         ckpt.close()

@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,7 +66,7 @@ import torch.distributed as dist
 from .._rank import current_rank
 from ..core.info import RestoreInfo, SkippedCheckpoint
 from ..core.planner import Source, share_choice
-from ..errors import StepvaultError
+from ..errors import ResumeGapWarning, StepvaultError
 from ..format import decode_value
 from ..manager import CheckpointManager, SaveHandle
 from ..ops.migrate.deepspeed import (
@@ -243,7 +244,10 @@ class DeepSpeedCheckpointer:
 
         def attempt(candidate: int, manifest: Any) -> None:
             loaded.clear()
-            loaded.update(self._read(store, candidate, manifest))
+            if manifest.sharded:
+                loaded.update(self._read(store, candidate, manifest))
+            else:  # one process wrote it: an import of DeepSpeed's own folder
+                loaded.update(self._read_whole(store, candidate, manifest))
 
         chosen, manifest, skipped = try_candidates(store, self.run, offer, attempt)
         files = {n: unpack_file(p) for n, p in loaded.get("deepspeed", {}).items()}
@@ -261,9 +265,18 @@ class DeepSpeedCheckpointer:
         if path is None:
             raise StepvaultError(f"{self.run}@{chosen}: DeepSpeed loaded nothing from it")
         if self.rng is not None:
-            mine = loaded.get("rng", {}).get(f"rank{current_rank()}")
+            mine = (loaded.get("rng") or {}).get(f"rank{current_rank()}")
             if mine is not None:
                 self.rng.load_state_dict(mine)
+            else:
+                warnings.warn(
+                    f"{self.run}@{chosen} holds no RNG state for rank {current_rank()} (an "
+                    "import of DeepSpeed's own files, or saved with rng=False): the RNGs "
+                    "continue from their current state, so dropout and sampling differ from "
+                    "an uninterrupted run",
+                    ResumeGapWarning,
+                    stacklevel=2,
+                )
         metadata = decode_value(manifest.metadata, lambda kind, name: None)
         self.last_restore = RestoreInfo.of_manifest(
             manifest, metadata, [SkippedCheckpoint(s, r) for s, r in skipped], 0.0
@@ -320,6 +333,31 @@ class DeepSpeedCheckpointer:
         )
         dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner())
         return targets
+
+    def _read_whole(self, store: Store, step: int, manifest: Any) -> dict[str, Any]:
+        """Collective: a checkpoint one process wrote (``stepvault import`` of a
+        ``global_stepN`` folder), read on every rank and verified, the ranks agreeing
+        before any rank uses a byte; only the files this rank's load asks for are kept."""
+        from ..distributed.agreement import agree
+        from ..engine import CheckpointReader
+        from ..errors import IntegrityError
+
+        damage: BaseException | None = None
+        tree: dict[str, Any] = {}
+        try:
+            arrays = CheckpointReader(store, manifest).read_all(private=True)
+            tree = decode_value(manifest.state, lambda kind, name: arrays[name])
+        except IntegrityError as exc:
+            damage = exc
+        agree(store, damage, f"{self.run}@{step}")
+        files = tree.get("deepspeed")
+        if not isinstance(files, Mapping):
+            raise StepvaultError(
+                f"{self.run}@{step} is not a DeepSpeed checkpoint (no 'deepspeed' entry); "
+                "DeepSpeedCheckpointer resumes checkpoints it saved or imports of "
+                "global_stepN folders"
+            )
+        return {"deepspeed": {n: p for n, p in files.items() if self._needed(str(n))}}
 
     # --------------------------------------------------------------------------- close
     def close(self) -> None:

@@ -277,6 +277,7 @@ class DeepSpeedImporter(Importer):
             files=sorted(files),
             missing={
                 "optimizer": "the ZeRO optimizer state stays in DeepSpeed's layout (under "
-                "'deepspeed'); a plain torch optimizer is not rebuilt from it"
+                "'deepspeed'); a plain torch optimizer is not rebuilt from it",
+                "rng": "DeepSpeed's files hold no RNG state",
             },
         )
