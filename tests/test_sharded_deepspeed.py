@@ -94,6 +94,16 @@ def test_deepspeed_trees_round_trip_pickle_free(tmp_path):
     assert isinstance(got["single_partition_of_fp32_groups"], list)
     assert got["param_slice_mappings"][0]["w"] == want["param_slice_mappings"][0]["w"]
     assert got["base_optimizer_state"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    # a reader that knows nothing of DeepSpeed (another process: export, show, a plain
+    # load) reads the checkpoint: the skeleton is bytes to it
+    code = (
+        "import sys, stepvault; t = stepvault.open(sys.argv[1]).checkpoint('r').load(); "
+        "assert isinstance(t['ds']['tree'], bytes), type(t['ds']['tree']); print('OK')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "OK", done.stderr[-2000:]
 
 
 def test_import_refuses_deepspeed_pickles_without_trust(tmp_path):

@@ -6,10 +6,11 @@ A DeepSpeed checkpoint is a set of ``torch.save`` files per tag: ``mp_rank_00_mo
 per rank (ZeRO 3), and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank with that
 rank's fp32 master partition and optimizer moments. stepvault stores each file's tree
 *packed* (:func:`pack_file`): its tensors under ``tensors`` and everything else as one
-skeleton value (``tree``) in the safe encoding, so that dict keys keep their types (the
-optimizer's ``state`` is keyed by ints, which a flattened DCP path would turn into
-strings) and lists stay lists. DeepSpeed's own objects in those files (the loss scaler,
-``fragment_address``, ``ZeroStageEnum``) are taught to the encoding by
+skeleton value (``tree``: the safe encoding's JSON, as bytes), so that dict keys keep their
+types (the optimizer's ``state`` is keyed by ints, which a flattened DCP path would turn
+into strings), lists stay lists, and a reader that knows nothing of DeepSpeed still reads
+the checkpoint (the skeleton is plain bytes to it). DeepSpeed's own objects in those files
+(the loss scaler, ``fragment_address``, ``ZeroStageEnum``) are taught to the encoding by
 :func:`register_deepspeed_types`: plain values in, the same classes out, never a pickle.
 
 :func:`consolidate` rebuilds the full fp32 weights from the ranks' partitions (what
@@ -26,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...distributed.planners import decode_value_bytes, encode_value
 from ...errors import StepvaultError, UntrustedInputError
 from .base import ImportedState, Importer
 from .pickles import load_pickle
@@ -95,10 +97,10 @@ def register_deepspeed_types() -> None:
 
 
 def pack_file(tree: Any) -> dict[str, Any]:
-    """One DeepSpeed file's tree → ``{"tensors": {"t0": ...}, "tree": (skeleton,)}``.
+    """One DeepSpeed file's tree → ``{"tensors": {"t0": ...}, "tree": skeleton bytes}``.
 
-    The skeleton is the tree with each tensor replaced by a :class:`TensorRef`; wrapped in
-    a tuple it is one value to a DCP save (a tuple is a leaf), so its keys keep their types.
+    The skeleton is the tree with each tensor replaced by a :class:`TensorRef`, in the safe
+    encoding's JSON (:func:`stepvault.distributed.planners.encode_value`).
     """
     tensors: dict[str, torch.Tensor] = {}
 
@@ -116,15 +118,18 @@ def pack_file(tree: Any) -> dict[str, Any]:
         return value
 
     skeleton = strip(tree)
-    return {"tensors": tensors, "tree": (skeleton,)}
+    # One bytes value: DCP keeps it one leaf, and a reader without DeepSpeed's types
+    # registered (stepvault export, show, a plain load) decodes it as bytes, not an error.
+    return {"tensors": tensors, "tree": encode_value(skeleton, "tree")}
 
 
 def unpack_file(packed: Mapping[str, Any]) -> Any:
     """Inverse of :func:`pack_file`: the tree DeepSpeed saved, with its tensors."""
+    register_deepspeed_types()
     tensors = packed["tensors"]
     wrapped = packed["tree"]
-    if isinstance(wrapped, list | tuple) and len(wrapped) == 1:
-        wrapped = wrapped[0]
+    if isinstance(wrapped, bytes | bytearray):
+        wrapped = decode_value_bytes(bytes(wrapped))
 
     def fill(value: Any) -> Any:
         if isinstance(value, TensorRef):
@@ -276,8 +281,9 @@ class DeepSpeedImporter(Importer):
             },
             files=sorted(files),
             missing={
-                "optimizer": "the ZeRO optimizer state stays in DeepSpeed's layout (under "
-                "'deepspeed'); a plain torch optimizer is not rebuilt from it",
+                "optimizer": "the ZeRO optimizer state stays in DeepSpeed's layout under "
+                "'deepspeed' (DeepSpeedCheckpointer.resume loads it into an engine); no "
+                "plain torch optimizer is rebuilt from it",
                 "rng": "DeepSpeed's files hold no RNG state",
             },
         )
