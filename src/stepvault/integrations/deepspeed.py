@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -174,6 +175,9 @@ class DeepSpeedCheckpointer:
         self._handle: SaveHandle | None = None
         #: the RestoreInfo of the last resume (None before one, or after a fresh start)
         self.last_restore: RestoreInfo | None = None
+        #: what DeepSpeed's load returned besides its own state: the ``client_state`` given
+        #: to :meth:`save` (empty before a resume)
+        self.client_state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------- saving
     def save(
@@ -232,6 +236,7 @@ class DeepSpeedCheckpointer:
         fall back together (``info.skipped``)."""
         from ..distributed.agreement import try_candidates
 
+        t0 = time.perf_counter()
         self.manager.wait()
         store = self.manager.store
         source = Source(store, self.run)
@@ -279,9 +284,12 @@ class DeepSpeedCheckpointer:
                 )
         metadata = decode_value(manifest.metadata, lambda kind, name: None)
         self.last_restore = RestoreInfo.of_manifest(
-            manifest, metadata, [SkippedCheckpoint(s, r) for s, r in skipped], 0.0
+            manifest,
+            metadata,
+            [SkippedCheckpoint(s, r) for s, r in skipped],
+            time.perf_counter() - t0,
         )
-        self.client_state = _client
+        self.client_state = dict(_client or {})
         return self.last_restore
 
     def _needed(self, name: str) -> bool:
