@@ -163,7 +163,7 @@ def test_mmap_load_never_hands_out_a_damaged_object(stored):
     digest = stepvault.open(root).manifest("r", 1).tensors["one"].chunks[0][0]
     flip_byte(object_path(root, digest))
     ckpt = stepvault.open(root).checkpoint("r", 1)
-    with pytest.raises(CorruptObjectError, match="does not match its (hash|checksum)"):
+    with pytest.raises(CorruptObjectError, match=r"does not match its (hash|checksum)"):
         ckpt.tensor("one", mmap=True)
     with pytest.raises(CorruptObjectError):
         stepvault.open(root).checkpoint("r", 1).load(mmap=True)
