@@ -129,9 +129,12 @@ class TieredView(Store):
             if step in found:
                 yield step, found[step]
             else:
-                yield step, CheckpointNotFoundError(
-                    f"no committed checkpoint {run}@{step} in any tier of {self.backend.url} "
-                    f"({', '.join(self.order)})"
+                yield (
+                    step,
+                    CheckpointNotFoundError(
+                        f"no committed checkpoint {run}@{step} in any tier of {self.backend.url} "
+                        f"({', '.join(self.order)})"
+                    ),
                 )
 
     def read_run_info(self, run: str) -> dict[str, Any] | None:
