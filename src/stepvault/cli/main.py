@@ -650,6 +650,7 @@ from . import mem as _mem  # noqa: E402,F401  (tiers mem-gc; issue 16)
 from . import migrate as _migrate  # noqa: E402,F401  (stepvault import)
 from . import plan as _plan  # noqa: E402,F401  (stepvault plan)
 from . import registry as _registry  # noqa: E402,F401  (annotate, promote, rollback, ...)
+from . import signing as _signing  # noqa: E402,F401  (keygen, sign)
 from . import tiers as _tiers  # noqa: E402,F401  (tier, tiers ls/add/remove/du)
 from . import ui as _ui  # noqa: E402,F401  (ui: imports the web stack only when run)
 

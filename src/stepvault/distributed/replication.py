@@ -14,6 +14,9 @@ committed objects-then-manifest (``peer_transfer.py``), every object hash-verifi
 arrives. A replica that would push the node's memory root over ``budget_bytes`` is
 skipped (a ``replica_skipped`` event); replicas of steps the owner no longer holds are
 deleted (with their objects) before the next one is written.
+
+(Its length is the Replicator's: the send and receive sides, the queue and thread, the
+events and the status gathered for ``wait(replicated=True)`` share one state per rank.)
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ is exactly what its own save/load restores.
 
 :func:`load_fp32_state_dict` reads a checkpoint of any number of ranks in one process, as
 the full fp32 weights (for evaluation and export).
+
+(Its length is the checkpointer's: installing the engine, the collective save at commit,
+the agreed resume and the hand-over to DeepSpeed's loader share one state per engine.)
 """
 
 from __future__ import annotations
