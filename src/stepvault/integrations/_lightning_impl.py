@@ -668,20 +668,7 @@ class CheckpointMixin:
                 "Trainer with StepvaultCheckpoint (the restore is collective)"
             )
         state = self._sharded_state(strategy, "")
-        info = mgr.restore(state, step)
-        if info is None:
-            raise StepvaultError(
-                f"run {self.run!r} has no checkpoint in {self.root}: start without "
-                "ckpt_path (ckpt.resume_path is None on a fresh start)"
-            )
-        self.last_restore = info
-        for skipped in info.skipped:
-            warnings.warn(
-                f"stepvault: skipped damaged checkpoint {self.run}@{skipped.step}: "
-                f"{skipped.reason}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        info = self._accept(mgr.restore(state, step))
         encoded = state[LIGHTNING_KEY]
         if not isinstance(encoded, str) or not encoded:
             raise StepvaultError(
@@ -717,24 +704,31 @@ class CheckpointMixin:
         self.last_restore = dataclasses.replace(self.last_restore, skipped=chosen.skipped)
         return checkpoint
 
-    def _read(self, step: int | Literal["latest", "best"]) -> dict[str, Any]:
-        holder: dict[str, Any] = {MODEL_KEY: None, LIGHTNING_KEY: None}
-        if self.manager is not None:
-            info = self.manager.restore(holder, step, strict=False)
-            if info is None:
-                raise StepvaultError(
-                    f"run {self.run!r} has no checkpoint in {self.root}: start without "
-                    "ckpt_path (ckpt.resume_path is None on a fresh start)"
-                )
-        else:
-            info = read_checkpoint(self.root, self.run, holder, step, best=self._best())
+    def _accept(self, info: RestoreInfo | None) -> RestoreInfo:
+        """The restore a load takes (sharded or not): none is an error naming the way out;
+        the damaged checkpoints it passed over are warned about, once each."""
+        if info is None:
+            raise StepvaultError(
+                f"run {self.run!r} has no checkpoint in {self.root}: start without "
+                "ckpt_path (ckpt.resume_path is None on a fresh start)"
+            )
         self.last_restore = info
         for skipped in info.skipped:
             warnings.warn(
                 f"stepvault: skipped damaged checkpoint {self.run}@{skipped.step}: "
                 f"{skipped.reason}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
+            )
+        return info
+
+    def _read(self, step: int | Literal["latest", "best"]) -> dict[str, Any]:
+        holder: dict[str, Any] = {MODEL_KEY: None, LIGHTNING_KEY: None}
+        if self.manager is not None:
+            info = self._accept(self.manager.restore(holder, step, strict=False))
+        else:
+            info = self._accept(
+                read_checkpoint(self.root, self.run, holder, step, best=self._best())
             )
         if holder[LIGHTNING_KEY] is None:
             # A weights-only checkpoint: enough for validate/test/predict; fit() stops with
