@@ -18,7 +18,8 @@ from ..catalog.events import log_event, read_events
 from ..errors import InvalidNameError
 from ..registry import Registry
 from ..store import Store, validate_run_name
-from .data import keep_policy_from, parse_step, run_settings
+from .reader import parse_step, run_settings
+from .retention_page import keep_policy_from
 
 ACTION_HEADER = "x-stepvault-action"
 

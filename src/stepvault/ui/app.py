@@ -35,8 +35,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import CheckpointNotFoundError, InvalidNameError, RegistryError, StepvaultError
-from . import data
+from . import checkpoint_page, data, retention_page, run_page
 from .actions import ACTION_HEADER, ACTIONS
+from .reader import StoreReader, parse_step
 from .security import GuardMiddleware
 from .templating import templates as _templates
 
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 #: Seconds between two polls of /api/changes by an open page.
 DEFAULT_REFRESH = 2.0
 #: Rows of the run page's checkpoint table per page (newest first); the charts have all.
-RUN_TABLE_ROWS = data.TABLE_ROWS
+RUN_TABLE_ROWS = run_page.TABLE_ROWS
 #: Page results kept in memory (each valid until the store changes).
 MEMO_ENTRIES = 64
 #: Seconds a page result is reused at most, even when the store's change token is the same.
@@ -60,8 +61,8 @@ class Dashboard:
     def __init__(
         self, root: str, *, allow_actions: bool = False, refresh_seconds: float = DEFAULT_REFRESH
     ) -> None:
-        self.reader = data.StoreReader(str(root), writable=False)
-        self.writer = data.StoreReader(str(root), writable=True) if allow_actions else None
+        self.reader = StoreReader(str(root), writable=False)
+        self.writer = StoreReader(str(root), writable=True) if allow_actions else None
         self.allow_actions = allow_actions
         self.refresh_seconds = refresh_seconds
         self.templates = _templates()
@@ -129,12 +130,12 @@ class Dashboard:
 
     async def run_page(self, request: Request) -> Response:
         run = request.path_params["run"]
-        doc = (await self._call(data.run_state, self.reader, run)).doc
+        doc = (await self._call(run_page.run_state, self.reader, run)).doc
         page_text = request.query_params.get("page", "0")
         step_text = request.query_params.get("step", "").strip()
-        page = data.parse_step(page_text) if page_text else 0
-        step = data.parse_step(step_text) if step_text else None
-        table = data.table_page(doc["checkpoints"], page, step)
+        page = parse_step(page_text) if page_text else 0
+        step = parse_step(step_text) if step_text else None
+        table = run_page.table_page(doc["checkpoints"], page, step)
         return self._page(
             request,
             "run.html",
@@ -147,29 +148,29 @@ class Dashboard:
 
     async def checkpoint_page(self, request: Request) -> Response:
         run = request.path_params["run"]
-        step = data.parse_step(request.path_params["step"])
-        doc = await self._call(data.checkpoint_detail, self.reader, run, step)
+        step = parse_step(request.path_params["step"])
+        doc = await self._call(checkpoint_page.checkpoint_detail, self.reader, run, step)
         # A damaged checkpoint is not a page that worked: 422 with the way out on it.
         status = 422 if doc.get("error") else 200
         return self._page(request, "checkpoint.html", f"{run}@{step}", status=status, doc=doc)
 
     async def compare_page(self, request: Request) -> Response:
         run = request.path_params["run"]
-        step = data.parse_step(request.path_params["step"])
+        step = parse_step(request.path_params["step"])
         other = request.query_params.get("with", "")
         if not other or len(other) > 300:
             raise InvalidNameError("compare needs ?with=RUN@STEP (or a step of this run)")
-        doc = await self._call(data.compare_checkpoints, self.reader, run, step, other)
+        doc = await self._call(checkpoint_page.compare_checkpoints, self.reader, run, step, other)
         return self._page(request, "compare.html", f"{doc['other']} → {run}@{step}", doc=doc)
 
     async def api_compare(self, request: Request) -> Response:
         other = request.query_params.get("with", "")
         if not other or len(other) > 300:
             raise InvalidNameError("compare needs ?with=RUN@STEP (or a step of this run)")
-        step = data.parse_step(request.path_params["step"])
+        step = parse_step(request.path_params["step"])
         run = request.path_params["run"]
         return JSONResponse(
-            await self._call(data.compare_checkpoints, self.reader, run, step, other)
+            await self._call(checkpoint_page.compare_checkpoints, self.reader, run, step, other)
         )
 
     async def registry_page(self, request: Request) -> Response:
@@ -188,7 +189,7 @@ class Dashboard:
         if kind is not None and (len(kind) > 64 or not kind.replace("_", "").isalnum()):
             raise InvalidNameError(f"bad event kind {kind[:40]!r}")
         offset_text = request.query_params.get("offset", "")
-        offset = data.parse_step(offset_text) if offset_text else 0
+        offset = parse_step(offset_text) if offset_text else 0
         return run, kind, offset
 
     # -- JSON ----------------------------------------------------------------------------
@@ -200,7 +201,7 @@ class Dashboard:
         only what changed since: a live page's update is a few hundred bytes per save."""
         run = request.path_params["run"]
         since = request.query_params.get("since")
-        state = await self._call(data.run_state, self.reader, run)
+        state = await self._call(run_page.run_state, self.reader, run)
         if since is None:
             # encoded once per change of the run, however many tabs load it
             if state.encoded is None:
@@ -211,7 +212,7 @@ class Dashboard:
                 headers = {"content-encoding": "gzip", "vary": "Accept-Encoding"}
                 return Response(state.gzipped, media_type="application/json", headers=headers)
             return Response(state.encoded, media_type="application/json")
-        return JSONResponse(data.run_delta(state, since))
+        return JSONResponse(run_page.run_delta(state, since))
 
     async def api_runs(self, request: Request) -> Response:
         """The names of the runs (listings only): the run page's "compare with" menu."""
@@ -221,14 +222,14 @@ class Dashboard:
     async def api_retention(self, request: Request) -> Response:
         params = dict(request.query_params)
         doc = await self._call(
-            data.retention_preview, self.reader, request.path_params["run"], params
+            retention_page.retention_preview, self.reader, request.path_params["run"], params
         )
         return JSONResponse(doc)
 
     async def api_checkpoint(self, request: Request) -> Response:
-        step = data.parse_step(request.path_params["step"])
+        step = parse_step(request.path_params["step"])
         doc = await self._call(
-            data.checkpoint_detail, self.reader, request.path_params["run"], step
+            checkpoint_page.checkpoint_detail, self.reader, request.path_params["run"], step
         )
         return JSONResponse(doc)
 
