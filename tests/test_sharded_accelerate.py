@@ -71,3 +71,40 @@ def test_accelerate_fsdp2_save_restore_bitwise_and_restores_in_one_process(tmp_p
     again = worker.build()
     stepvault.restore(imported, {"model": again}, run="acc", step=3, strict=False)
     assert worker.weights_digest(again) == weights
+
+
+DS_SCRIPT = Path(__file__).parent / "scripts" / "accelerate_deepspeed_train.py"
+
+
+def test_accelerate_deepspeed_killed_damaged_and_resumed_is_bitwise(tmp_path):
+    """Accelerate with a DeepSpeed plugin (ZeRO-2): the prepared engine saves through
+    AcceleratorCheckpointer (every rank its partitions, one collective checkpoint), the job
+    is SIGKILLed after a committed checkpoint, the newest is damaged, and the rerun falls
+    back on every rank, crosses an epoch boundary and ends bitwise equal to an
+    uninterrupted run: weights, both Adam moments, the scheduler's LR, accelerator.step,
+    ``extra`` and every rank's RNG."""
+    pytest.importorskip("deepspeed")
+    import signal
+
+    from ddp_util import kill_job_when_saved
+    from integration_util import damage_newest
+
+    ref_out = tmp_path / "ref.pt"
+    out = run_job(torchrun(DS_SCRIPT, "--root", str(tmp_path / "ref"), "--out", str(ref_out)))
+    assert "FRESH" in out and "DONE" in out
+    root = tmp_path / "store"
+    cmd = torchrun(DS_SCRIPT, "--root", str(root), "--step-sleep", "0.2")
+    steps, status = kill_job_when_saved(cmd, root, "accds", min_step=12)
+    assert status == -signal.SIGKILL and steps[-1] < 20, (status, steps)
+    manifest = stepvault.open(root).manifest("accds", steps[-1])
+    assert manifest.sharded and manifest.metadata["framework"] == "accelerate"
+    damaged = damage_newest(root, "accds")
+    before = steps[-2]
+    assert before < 16  # the resume crosses the epoch boundary at 16
+    final = tmp_path / "final.pt"
+    out = run_job(torchrun(DS_SCRIPT, "--root", str(root), "--out", str(final)))
+    assert f"RESUMED {before} epoch={before // 8} skipped=1" in out, (damaged, out)
+    want, got = torch.load(ref_out), torch.load(final)
+    assert want.keys() == got.keys()
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, differ

@@ -34,7 +34,12 @@ replicated tensors are written once, each rank's RNG state is kept apart, and th
 checkpoint is committed only once every rank has written its part. With an FSDP2 plugin
 (``FullyShardedDataParallelPlugin(fsdp_version=2)``) the prepared models and optimizers are
 sharded (DTensors): every rank writes and restores its own shards, and the checkpoint
-restores on another number of ranks or in one process. DeepSpeed, FSDP1 and Megatron-LM
+restores on another number of ranks or in one process. With a DeepSpeed plugin (ZeRO 1/2/3)
+:class:`AcceleratorCheckpointer` saves and resumes the prepared model's DeepSpeed engine
+through :class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer` (every rank its own
+ZeRO partitions, one collective checkpoint), with the schedulers, stateful loaders,
+registered objects, ``accelerator.step``, ``extra`` and every rank's RNGs beside; the
+one-shot :func:`save_state`/:func:`load_state` refuse it. FSDP1 and Megatron-LM
 configurations are refused, saying why and what to use. Accelerate's own
 ``register_save_state_pre_hook`` / ``register_load_state_pre_hook`` only change how model
 weights are written next to pickled optimizer and RNG files in a folder, so they are not
@@ -115,8 +120,19 @@ def accelerator_state(
 _REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
 
 
+def _kind(accelerator: Accelerator) -> str:
+    return str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+
+
 def _check_distributed_type(accelerator: Accelerator) -> None:
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    kind = _kind(accelerator)
+    if kind == "DEEPSPEED":
+        raise StepvaultError(
+            "save_state/load_state/accelerator_state do not support a DeepSpeed "
+            "accelerator: its model and optimizer are a DeepSpeed engine whose ZeRO "
+            "partitions only the engine saves and loads. Use AcceleratorCheckpointer, which "
+            "drives the engine's own save and load through stepvault on every rank"
+        )
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
         # FSDP2: the prepared models are fully_shard modules (DTensor parameters) and every
         # rank saves and restores its own shards through the collective manager.
@@ -133,8 +149,8 @@ def _check_distributed_type(accelerator: Accelerator) -> None:
         raise StepvaultError(
             f"the stepvault Accelerate integration does not support {kind}: it shards or "
             "wraps the model and optimizer in ways this integration does not save or "
-            "restore. Use DDP (accelerate launch / torchrun without a DeepSpeed, FSDP or "
-            "Megatron config); for a sharded FSDP2/DTensor model, put the model and "
+            "restore. Use DDP, FSDP2 (fsdp_version=2) or DeepSpeed "
+            "(AcceleratorCheckpointer); for another sharded model, put the model and "
             "optimizer in a stepvault.CheckpointManager state called on every rank "
             "(see INTEGRATIONS.md)"
         )
@@ -206,6 +222,86 @@ def load_state(
     return info
 
 
+#: Key of the accelerator's own values in a DeepSpeed checkpoint's ``client_state``.
+CLIENT_KEY = "stepvault_accelerate"
+
+
+def _deepspeed_engine(accelerator: Accelerator) -> Any:
+    """The one DeepSpeed engine ``accelerator.prepare`` made (its first prepared model)."""
+    from deepspeed import DeepSpeedEngine
+
+    engines = [m for m in accelerator._models if isinstance(m, DeepSpeedEngine)]
+    if len(engines) != 1:
+        raise StepvaultError(
+            f"AcceleratorCheckpointer under DeepSpeed needs exactly one prepared model (a "
+            f"DeepSpeed engine), found {len(engines)}: create the checkpointer after "
+            "accelerator.prepare(model, optimizer, ...); several DeepSpeed models in one "
+            "Accelerator are not supported (give each its own DeepSpeedCheckpointer)"
+        )
+    return engines[0]
+
+
+def _stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def _client_state(accelerator: Accelerator, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What ``save_state`` keeps beside a DeepSpeed engine's model and optimizer, as
+    plain values for the engine's ``client_state`` (the engine saves its own scheduler)."""
+    out: dict[str, Any] = {STEP_KEY: int(accelerator.step)}
+    for i, sched in enumerate(accelerator._schedulers):
+        out[_name("scheduler", i)] = sched.state_dict()
+    stateful = [dl for dl in accelerator._dataloaders if getattr(dl, "use_stateful_dataloader", 0)]
+    for i, loader in enumerate(stateful):
+        out[_name("dataloader", i)] = loader.state_dict()
+    for i, obj in enumerate(accelerator._custom_objects):
+        out[f"custom_{i}"] = obj.state_dict()
+    out["extra"] = {k: v.state_dict() if _stateful(v) else v for k, v in (extra or {}).items()}
+    return {CLIENT_KEY: out}
+
+
+def _apply_client_state(
+    accelerator: Accelerator,
+    client: Mapping[str, Any],
+    extra: MutableMapping[str, Any] | None,
+    where: str,
+) -> None:
+    """Put the values of :func:`_client_state` back into the accelerator's objects."""
+    values = client.get(CLIENT_KEY)
+    if not isinstance(values, Mapping):
+        raise StepvaultError(
+            f"{where} holds no Accelerate state (not saved by AcceleratorCheckpointer): "
+            "resume it with DeepSpeedCheckpointer, or start without restore()"
+        )
+    stateful = [dl for dl in accelerator._dataloaders if getattr(dl, "use_stateful_dataloader", 0)]
+    stored_extra = values.get("extra") or {}
+    wanted = [_name("scheduler", i) for i in range(len(accelerator._schedulers))]
+    wanted += [_name("dataloader", i) for i in range(len(stateful))]
+    wanted += [f"custom_{i}" for i in range(len(accelerator._custom_objects))]
+    absent = [k for k in wanted if k not in values]
+    absent += [f"extra[{k!r}]" for k in (extra or {}) if k not in stored_extra]
+    if absent:
+        raise StepvaultError(
+            f"{where} does not hold {', '.join(absent)} of this accelerator: it was saved "
+            "with other schedulers, loaders, registered objects or extra keys"
+        )
+    for i, sched in enumerate(accelerator._schedulers):
+        sched.load_state_dict(values[_name("scheduler", i)])
+    for i, loader in enumerate(stateful):
+        loader.load_state_dict(values[_name("dataloader", i)])
+    for i, obj in enumerate(accelerator._custom_objects):
+        obj.load_state_dict(values[f"custom_{i}"])
+    accelerator.step = int(values[STEP_KEY])
+    if extra is not None:
+        for key in extra:
+            if _stateful(extra[key]):
+                extra[key].load_state_dict(stored_extra[key])
+            else:
+                extra[key] = stored_extra[key]
+
+
 def _bulk(state: Mapping[str, Any]) -> dict[str, Any]:
     """The models and optimizers of an accelerator state: its bytes, to prepare."""
     return {k: v for k, v in state.items() if k.startswith(("model", "optimizer"))}
@@ -219,6 +315,14 @@ class AcceleratorCheckpointer:
     :meth:`restore` writes the restored plain values back into it. ``manager_options`` go
     to :class:`~stepvault.CheckpointManager` (``codec``, ``best_metric``,
     ``options=ManagerOptions(...)``...).
+
+    Under DeepSpeed (a ``DeepSpeedPlugin``; create the checkpointer after
+    ``accelerator.prepare``) the engine's own save and load run through a
+    :class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer` (:attr:`deepspeed`):
+    every rank writes its ZeRO partitions into one collective checkpoint and a resume
+    falls back on every rank together past a damaged one; the schedulers, stateful
+    loaders, registered objects, ``accelerator.step`` and ``extra`` travel in the engine's
+    ``client_state``, each rank's RNGs beside.
     """
 
     def __init__(
@@ -235,9 +339,25 @@ class AcceleratorCheckpointer:
     ) -> None:
         self.accelerator = accelerator
         self.extra = extra
-        self.manager = CheckpointManager(
-            root, run, save=save, keep=keep, async_save=async_save, **manager_options
-        )
+        #: the DeepSpeed checkpointer of the prepared engine (None without DeepSpeed)
+        self.deepspeed: Any = None
+        if _kind(accelerator) == "DEEPSPEED":
+            from .deepspeed import DeepSpeedCheckpointer
+
+            self.deepspeed = DeepSpeedCheckpointer(
+                _deepspeed_engine(accelerator),
+                root,
+                run,
+                save=save,
+                keep=keep,
+                async_save=async_save,
+                **manager_options,
+            )
+            self.manager = self.deepspeed.manager
+        else:
+            self.manager = CheckpointManager(
+                root, run, save=save, keep=keep, async_save=async_save, **manager_options
+            )
         self._prepare_staging = StagingPreparer()
 
     def restore(
@@ -245,6 +365,19 @@ class AcceleratorCheckpointer:
     ) -> RestoreInfo | None:
         """Load the newest full checkpoint that verifies (or ``"best"``, or exactly an int
         step) into the accelerator's objects; None on a fresh start."""
+        if self.deepspeed is not None:
+            if step == "best":
+                raise ValueError(
+                    "restore('best') is not available under DeepSpeed: give 'latest' or a "
+                    "step number (`stepvault ls` lists them with their metrics)"
+                )
+            info = self.deepspeed.resume(step)
+            if info is not None:
+                where = f"{self.manager.run}@{info.step}"
+                _apply_client_state(
+                    self.accelerator, self.deepspeed.client_state, self.extra, where
+                )
+            return info
         state = accelerator_state(self.accelerator, self.extra)
         info = self.manager.restore(state, step, strict=strict)
         if info is not None:
@@ -269,6 +402,17 @@ class AcceleratorCheckpointer:
         Call it after the optimizer step, outside ``accelerator.accumulate`` (a save in the
         middle of an accumulation would not hold the accumulated gradients).
         """
+        if self.deepspeed is not None:
+            if not (self.manager.should_save(step, epoch) or force):
+                return None
+            return self.deepspeed.save(
+                step,
+                client_state=_client_state(self.accelerator, self.extra),
+                metrics=metrics,
+                force=True,
+                epoch=epoch,
+                metadata=_metadata(),
+            )
         if self.manager.should_save(step, epoch) or force:
             state = accelerator_state(self.accelerator, self.extra)
             return self.manager.save(
@@ -283,10 +427,16 @@ class AcceleratorCheckpointer:
         return self.manager.wait()
 
     def close(self) -> None:
-        self.manager.close()
+        if self.deepspeed is not None:
+            self.deepspeed.close()  # also gives DeepSpeed back its checkpoint engine
+        else:
+            self.manager.close()
 
     def __enter__(self) -> AcceleratorCheckpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self.deepspeed is not None:
+            self.deepspeed.__exit__(exc_type, exc, tb)
+            return
         self.manager.__exit__(exc_type, exc, tb)

@@ -190,15 +190,18 @@ class DeepSpeedCheckpointer:
         client_state: Mapping[str, Any] | None = None,
         metrics: Mapping[str, Any] | None = None,
         force: bool = False,
+        epoch: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> SaveHandle | None:
         """Save when the policy says so (always with ``force``); ``step`` defaults to
         ``engine.global_steps``. ``client_state``: extra values DeepSpeed stores with the
-        module states (its ``save_checkpoint(client_state=)``). Returns the save's handle
-        or None when no save was due."""
+        module states (its ``save_checkpoint(client_state=)``). ``epoch`` is what the
+        policy sees (completed epochs); ``metadata`` is recorded with the checkpoint
+        beside DeepSpeed's own. Returns the save's handle or None when no save was due."""
         step = self.engine.global_steps if step is None else int(step)
-        if not force and not self.manager.should_save(step):
+        if not force and not self.manager.should_save(step, epoch):
             return None
-        self._pending = {"metrics": metrics, "step": step}
+        self._pending = {"metrics": metrics, "step": step, "epoch": epoch, "metadata": metadata}
         self._handle = None
         try:
             self.engine.save_checkpoint(
@@ -220,12 +223,17 @@ class DeepSpeedCheckpointer:
         state: dict[str, Any] = {"deepspeed": {n: pack_file(t) for n, t in files.items()}}
         if self.rng is not None:
             state["rng"] = self.rng
+        # The decision the policy took for (step, epoch) is kept (an OnSignal exit code).
         self._handle = self.manager.save(
             step,
             state,
+            epoch=self._pending.get("epoch"),
             force=True,
             metrics=self._pending.get("metrics"),
-            metadata={"deepspeed": {"tag": tag, "world_size": _world()}},
+            metadata={
+                **dict(self._pending.get("metadata") or {}),
+                "deepspeed": {"tag": tag, "world_size": _world()},
+            },
         )
 
     def wait(self) -> None:
@@ -233,10 +241,17 @@ class DeepSpeedCheckpointer:
         self.manager.wait()
 
     # ------------------------------------------------------------------------ resuming
-    def resume(self, step: int | str = "latest") -> RestoreInfo | None:
+    def resume(self, step: int | str = "latest", **load_options: Any) -> RestoreInfo | None:
         """Load the newest checkpoint that verifies on every rank (or ``step`` exactly)
         into the engine; None when the run has none. Damage on any rank makes every rank
-        fall back together (``info.skipped``)."""
+        fall back together (``info.skipped``). ``load_options`` go to DeepSpeed's
+        ``engine.load_checkpoint`` (``load_optimizer_states``, ``load_lr_scheduler_states``,
+        ``load_module_strict``...)."""
+        if step != "latest" and not (isinstance(step, int) or str(step).isdigit()):
+            raise ValueError(
+                f"DeepSpeedCheckpointer.resume(step={step!r}): give 'latest' or a step "
+                "number (a DeepSpeed resume takes a full checkpoint of the run)"
+            )
         from ..distributed.agreement import try_candidates
 
         t0 = time.perf_counter()
@@ -266,7 +281,7 @@ class DeepSpeedCheckpointer:
             open(os.path.join(folder, name), "w").close()
         self.checkpoint_engine.loaded = files
         try:
-            path, _client = self.engine.load_checkpoint(self._scratch, tag=tag)
+            path, _client = self.engine.load_checkpoint(self._scratch, tag=tag, **load_options)
         finally:
             self.checkpoint_engine.loaded = {}
             shutil.rmtree(folder, ignore_errors=True)
@@ -383,8 +398,14 @@ class DeepSpeedCheckpointer:
     def __enter__(self) -> DeepSpeedCheckpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # do not mask the training error with a save error
+            self.close()
+        except BaseException:
+            pass
 
 
 def _world() -> int:
