@@ -1,7 +1,8 @@
 """The fault campaign across namespaced hosts (issue 33), counted.
 
 Runs the scenarios of ``tests/hosts.py`` (a host killed during saves and replication or
-during a restore, a host's link partitioned, the S3 host behind a slow, lossy link) with
+during a restore, a host's link partitioned, the S3 host behind a slow, lossy link, a
+stale writer's commit after a takeover by another job, one host's disk full) with
 random timing, for a number of trials or minutes, on hosts made once by
 ``tests/netns.py`` (root, Linux namespaces), and appends one row per scenario to the
 campaign table of RELIABILITY.md: trials, broken resumes, undetected corruptions, where
@@ -27,6 +28,7 @@ import random
 import shutil
 import sys
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -36,7 +38,9 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "src")]
 import hosts  # noqa: E402
 import netns  # noqa: E402
 
-SCENARIOS = ["kill_save", "kill_restore", "partition", "s3_slow"]
+SCENARIOS = ["kill_save", "kill_restore", "partition", "s3_slow", "stale_writer", "disk_full"]
+#: scenarios that run on their own number of hosts (two jobs of 2 hosts)
+OWN_HOSTS = {"stale_writer": 4}
 END = "<!-- campaign_hosts:end -->"  # right after the campaign table's last row
 
 
@@ -80,7 +84,10 @@ def main() -> int:
     trials: list[dict] = []
     t0 = time.monotonic()
     started = datetime.datetime.now(datetime.timezone.utc)
-    with netns.Cluster(args.hosts, s3="s3_slow" in scenarios) as cluster:
+    made = max([args.hosts, *(OWN_HOSTS.get(s, 0) for s in scenarios)])
+    with netns.Cluster(made, s3="s3_slow" in scenarios) as cluster:
+        # the scenarios' hosts: the first --hosts ones (stale_writer: its own number)
+        view = types.SimpleNamespace(hosts=cluster.hosts[: args.hosts], s3=cluster.s3)
         s3 = hosts.S3Host(cluster) if "s3_slow" in scenarios else None
         try:
             n = 0
@@ -93,11 +100,14 @@ def main() -> int:
                 trial_seed = rng.randrange(1 << 30)
                 folder = work / f"trial-{n:05d}-{scenario}"
                 began = time.monotonic()
+                n_hosts = OWN_HOSTS.get(scenario, args.hosts)
+                on = cluster if n_hosts == made else view
                 outcome = hosts.run_scenario(
-                    cluster, scenario, folder, steps=args.steps, rng=random.Random(trial_seed),
+                    on, scenario, folder, steps=args.steps, rng=random.Random(trial_seed),
                     s3=s3,
                 )  # fmt: skip
                 c = counts[scenario]
+                c["hosts"] = n_hosts
                 c["trials"] += 1
                 c["broken"] += bool(outcome.broken)
                 c["corrupt"] += bool(outcome.corrupt)
@@ -124,7 +134,7 @@ def main() -> int:
             continue
         sources = ", ".join(f"{k[5:]} {v}" for k, v in sorted(c.items()) if k.startswith("from:"))
         rows.append(
-            f"| {started:%Y-%m-%d} | {scenario} | {args.hosts} | {c['trials']} | {c['broken']} "
+            f"| {started:%Y-%m-%d} | {scenario} | {c['hosts']} | {c['trials']} | {c['broken']} "
             f"| {c['corrupt']} | {sources} | {c['seconds'] / 60:.1f} | seed {seed} |"
         )
     print("\n".join(rows))

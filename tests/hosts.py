@@ -21,6 +21,7 @@ that does not verify) are counted separately.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -60,9 +61,11 @@ class Job:
     def __init__(self, cluster: netns.Cluster, root: str, out: Path, *, steps: int,
                  per_host: int = 1, disk_every: int = 3, sleep: float = 0.1, launch: int = 0,
                  timeout: float = 20.0, env: dict[str, str] | None = None,
-                 width: int = 0) -> None:  # fmt: skip
+                 width: int = 0, hosts: list[netns.Host] | None = None,
+                 stale_after: float | None = None) -> None:  # fmt: skip
         self.cluster, self.out, self.launch = cluster, out, launch
-        hosts = cluster.hosts
+        # ``hosts``: the job's own allocation (default: every host of the cluster)
+        self.hosts = hosts = list(hosts or cluster.hosts)
         endpoint = f"{hosts[0].address}:29400"
         self.procs: list[subprocess.Popen[bytes]] = []
         environ = {
@@ -83,9 +86,24 @@ class Job:
                 str(TESTS / "hosts_job.py"), "--root", root, "--out", str(out),
                 "--steps", str(steps), "--disk-every", str(disk_every), "--sleep", str(sleep),
                 "--launch", str(launch), "--timeout", str(timeout), "--width", str(width),
+                *(["--stale-after", str(stale_after)] if stale_after else []),
             ]  # fmt: skip
             self.procs.append(host.popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT))
         self.world = len(hosts) * per_host
+
+    def ended(self, timeout: float) -> bool:
+        """Whether every host's torchrun ended (any exit code) within ``timeout`` s."""
+        self.wait(timeout)
+        return all(p.poll() is not None for p in self.procs)
+
+    def errors(self) -> dict[int, dict]:
+        """The error each failed rank wrote (``error-<launch>-<rank>.json``), by rank."""
+        out = {}
+        for rank in range(self.world):
+            path = self.out / f"error-{self.launch}-{rank}.json"
+            if path.exists():
+                out[rank] = json.loads(path.read_text())
+        return out
 
     def wait(self, timeout: float) -> bool:
         """Whether every host's torchrun ended with 0 within ``timeout`` seconds."""
@@ -101,7 +119,7 @@ class Job:
         """Every rank's progress: "starting", "restoring" or the last step saved."""
         out = []
         for rank in range(self.world):
-            path = self.out / f"progress-{rank}"
+            path = self.out / f"progress-{self.launch}-{rank}"
             out.append(path.read_text() if path.exists() else "")
         return out
 
@@ -119,7 +137,7 @@ class Job:
     def stop(self) -> None:
         """End this launch everywhere (the scheduler kills what is left of the job); the
         hosts' memory stays."""
-        for host in self.cluster.hosts:
+        for host in self.hosts:
             host.kill(wipe=False)
 
 
@@ -278,6 +296,226 @@ def check_store(
         outcome.corrupt.append(f"verify: {report}")
 
 
+def committed_by(root: str) -> dict[int, object]:
+    """Which launch committed each checkpoint of the hot store (the ``launch`` of its
+    metadata; ``hosts_job.py`` saves it with every step)."""
+    from stepvault.format import decode_value, parse_manifest
+    from stepvault.store import Store
+
+    store = Store.open(root)
+    out: dict[int, object] = {}
+    for step in store.list_steps("r"):
+        m = parse_manifest(store.read_manifest("r", step), f"r@{step}")
+        meta = decode_value(m.metadata, lambda kind, name: None)
+        out[step] = meta.get("launch") if isinstance(meta, dict) else None
+    return out
+
+
+def _rank_hosts(out: Path, launch: int, world: int, timeout: float = 120) -> dict[int, str]:
+    """The host each rank of ``launch`` runs on (``host-<launch>-<rank>``), once known."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [out / f"host-{launch}-{r}" for r in range(world)]
+        if all(f.exists() and f.read_text() for f in files):
+            return {r: f.read_text() for r, f in enumerate(files)}
+        time.sleep(0.05)
+    return {}
+
+
+def _restored(out: Path, launch: int, rank: int, timeout: float) -> dict | None:
+    path = out / f"restore-{launch}-{rank}.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            with contextlib.suppress(ValueError):
+                return json.loads(path.read_text())
+        time.sleep(0.05)
+    return None
+
+
+def _finish(
+    outcome: Outcome,
+    cluster: netns.Cluster,
+    root: str,
+    work: Path,
+    steps: int,
+    ref: list[str],
+    launch: int,
+    hosts: list[netns.Host] | None = None,
+) -> None:
+    """Relaunch the job (``launch``) on ``hosts``: it must restore the newest checkpoint
+    bitwise and end at the reference."""
+    disk_before = newest_on_disk(root)
+    job = Job(cluster, root, work, steps=steps, launch=launch, hosts=hosts)
+    outcome.launches += 1
+    ended = job.wait(timeout=240)
+    job.stop()
+    check_launch(outcome, work, launch, job.world, ref, disk_before)
+    finals = [work / f"final-{launch}-{r}.json" for r in range(job.world)]
+    if not ended or not all(f.exists() for f in finals):
+        outcome.broken.append(f"launch {launch}: the relaunched job did not finish")
+        return
+    for rank, f in enumerate(finals):
+        if json.loads(f.read_text())["digest"] != ref[steps]:
+            outcome.broken.append(f"launch {launch} rank {rank}: final state differs")
+
+
+def run_stale_writer(cluster: netns.Cluster, work: Path, *, steps: int = 12,
+                     rng: random.Random | None = None, sleep: float = 0.1,
+                     stale_after: float = 3.0) -> Outcome:  # fmt: skip
+    """A stale writer's commit refused across hosts (the fenced commit).
+
+    Job A trains on the first half of the hosts with a short lease (``stale_after``). At a
+    random moment (mid-save) the host of A's rank 0, the coordinator that holds the run's
+    lease and commits, is frozen (SIGSTOP of all its processes: a stopped VM) past
+    ``stale_after``; A's other ranks wait in a collective. A scheduler starts job B on the
+    other hosts: it takes the stale lease over, restores the newest checkpoint on disk and
+    commits. Once B has committed, A's host is thawed: A's next commit must be refused
+    (``LeaseLostError``), every process of A must end (none hangs), no checkpoint A saved
+    after B's takeover may be visible, B must end bitwise at the reference, the store must
+    verify, and a relaunch on A's hosts must resume the newest checkpoint bitwise."""
+    from hosts_job import reference as replay
+
+    rng = rng or random.Random()
+    if len(cluster.hosts) < 4:
+        raise ValueError("the stale_writer scenario needs 4 hosts (two jobs of 2 hosts)")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    root = str(work / "hot")
+    for host in cluster.hosts:
+        host.kill(wipe=True)
+    half = len(cluster.hosts) // 2
+    a_hosts, b_hosts = cluster.hosts[:half], cluster.hosts[half : 2 * half]
+    ref = replay(steps)
+    outcome = Outcome("stale_writer")
+    # A's collectives wait out the freeze (the peers of a stopped host block, they do
+    # not time out): the gloo timeout is longer than the whole scenario.
+    a = Job(cluster, root, work, steps=steps, launch=0, sleep=sleep, hosts=a_hosts,
+            stale_after=stale_after, timeout=300)  # fmt: skip
+    outcome.launches += 1
+    at = rng.randint(3, steps - 6)
+    where = _rank_hosts(work, 0, a.world)
+    frozen = next((h for h in a_hosts if h.name == where.get(0)), None)
+    if frozen is None or not a.wait_for(lambda p: steps_done(p) >= at, 180):
+        a.stop()
+        outcome.broken.append(f"job A did not reach step {at}: {a.progress()}")
+        return outcome
+    time.sleep(rng.uniform(0, 2 * sleep))  # mid-save
+    frozen.freeze()
+    outcome.notes.append(f"froze {frozen.name} (rank 0 of A) after step {at}")
+    try:
+        time.sleep(stale_after + 0.5)  # A's lease is stale from here on
+        disk_before = newest_on_disk(root)
+        b = Job(cluster, root, work, steps=steps, launch=1, sleep=sleep, hosts=b_hosts)
+        outcome.launches += 1
+        got = _restored(work, 1, 0, 60)
+        if got is not None:
+            # B has committed to disk after its takeover: a step past its restore that is
+            # due on disk (every 3rd) plus one, so that commit is done.
+            target = min(steps, got["step"] + 4)
+            if not b.wait_for(lambda p: steps_done(p) >= target, 180):
+                outcome.notes.append(f"B did not reach step {target} while A was frozen")
+        else:  # A froze inside its commit, holding the lease's lock: B waits for it
+            outcome.notes.append("B waited for the lease lock held by A's frozen host")
+    finally:
+        frozen.thaw()
+    got = got or _restored(work, 1, 0, 120)
+    if got is None:
+        a.stop()
+        b.stop()
+        outcome.broken.append(f"job B did not take the run over: {b.errors()}")
+        return outcome
+    if not a.ended(90):
+        outcome.broken.append("job A hangs after its coordinator's host was thawed")
+    a.stop()
+    errors = a.errors()
+    lost = errors.get(0, {})
+    if lost.get("type") != "LeaseLostError":
+        outcome.broken.append(f"A's rank 0 was not refused with LeaseLostError: {errors}")
+    outcome.notes.append(
+        "A ended: " + "; ".join(f"rank {r} {e['type']}" for r, e in sorted(errors.items()))
+    )
+    ended = b.wait(timeout=240)
+    b.stop()
+    check_launch(outcome, work, 0, a.world, ref, None)
+    check_launch(outcome, work, 1, b.world, ref, disk_before)
+    finals = [work / f"final-1-{r}.json" for r in range(b.world)]
+    if not ended or not all(f.exists() for f in finals):
+        outcome.broken.append(f"job B did not finish: {b.errors()}")
+    else:
+        for rank, f in enumerate(finals):
+            if json.loads(f.read_text())["digest"] != ref[steps]:
+                outcome.broken.append(f"job B rank {rank}: final state differs")
+    # Nothing A saved after the takeover is visible: every checkpoint past the step B
+    # resumed from is B's.
+    for step, launch in sorted(committed_by(root).items()):
+        if step > got["step"] and launch != 1:
+            outcome.broken.append(f"step {step} committed by launch {launch} after the takeover")
+    check_store(outcome, root)
+    _finish(outcome, cluster, root, work, steps, ref, 2, hosts=a_hosts)
+    return outcome
+
+
+def run_disk_full(cluster: netns.Cluster, work: Path, *, steps: int = 12,
+                  rng: random.Random | None = None, sleep: float = 0.1) -> Outcome:  # fmt: skip
+    """One host's disk fills up during a save.
+
+    What a host writes on its own disk is its node memory: the mem tier and the buddy's
+    replicas in its ``/dev/shm`` tmpfs (the hot store is shared by every host). At a random
+    moment (mid-save) one host's tmpfs is filled to the last byte. The job must stop with
+    an error on the rank whose save failed (a ``StepvaultError`` naming the step), no rank
+    may hang, every committed checkpoint must verify; once the disk is freed, the relaunch
+    resumes the newest checkpoint every rank can verify, bitwise, and ends at the
+    reference."""
+    from hosts_job import reference as replay
+
+    rng = rng or random.Random()
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    root = str(work / "hot")
+    for host in cluster.hosts:
+        host.kill(wipe=True)
+    ref = replay(steps)
+    outcome = Outcome("disk_full")
+    victim = cluster.hosts[rng.randrange(len(cluster.hosts))]
+    # The host's disk is nearly full already (a few MiB left: far more than the job's
+    # memory copies need), so that filling the rest is quick enough to hit a save.
+    victim.fill_shm(leave=16 << 20)
+    job = Job(cluster, root, work, steps=steps, launch=0, sleep=sleep, timeout=120)
+    outcome.launches += 1
+    at = rng.randint(2, steps - 5)
+    if not job.wait_for(lambda p: steps_done(p) >= at, 180):
+        job.stop()
+        outcome.broken.append(f"the job did not reach step {at}: {job.progress()}")
+        return outcome
+    time.sleep(rng.uniform(0, 2 * sleep))  # mid-save
+    filled = victim.fill_shm()
+    outcome.notes.append(f"filled {victim.name}'s /dev/shm ({filled >> 20} MiB) after {at}")
+    if not job.ended(120):
+        outcome.broken.append("a rank hangs after a host's disk filled up")
+    job.stop()
+    errors = job.errors()
+    where = _rank_hosts(work, 0, job.world, timeout=1)
+    failed = [r for r, host in where.items() if host == victim.name]
+    finals = [work / f"final-0-{r}.json" for r in range(job.world)]
+    if all(f.exists() for f in finals):
+        # The fill came after the last memory-only save: the job finished (its later
+        # saves went to disk).
+        outcome.notes.append("the job finished before a memory-only save hit the full disk")
+    elif not any(errors.get(r, {}).get("type") == "StepvaultError" for r in failed):
+        outcome.broken.append(f"no clear error on {victim.name}'s ranks {failed}: {errors}")
+    outcome.notes.append(
+        "errors: " + "; ".join(f"rank {r} {e['type']}" for r, e in sorted(errors.items()))
+    )
+    check_launch(outcome, work, 0, job.world, ref, None)
+    check_store(outcome, root)
+    victim.free_shm()  # the operator frees the disk, the scheduler relaunches
+    _finish(outcome, cluster, root, work, steps, ref, 1)
+    return outcome
+
+
 def run_scenario(cluster: netns.Cluster, scenario: str, work: Path, *, steps: int = 24,
                  rng: random.Random | None = None, root: str | None = None,
                  per_host: int = 1, max_launches: int = 4, sleep: float = 0.1,
@@ -289,9 +527,14 @@ def run_scenario(cluster: netns.Cluster, scenario: str, work: Path, *, steps: in
     (a host dies while the relaunched job restores), ``partition`` (a host's link is down
     for 0.5-4 s mid-training, then heals), ``s3_slow`` (the hot store on the S3 host
     behind a proxy adding latency and connection resets and a ``tbf`` bandwidth cap, and a
-    host killed mid-run; needs ``s3``), ``none`` (no fault: the control)."""
+    host killed mid-run; needs ``s3``), ``stale_writer`` (:func:`run_stale_writer`, 4
+    hosts), ``disk_full`` (:func:`run_disk_full`), ``none`` (no fault: the control)."""
     from hosts_job import reference as replay
 
+    if scenario == "stale_writer":
+        return run_stale_writer(cluster, work, steps=steps, rng=rng, sleep=sleep)
+    if scenario == "disk_full":
+        return run_disk_full(cluster, work, steps=steps, rng=rng, sleep=sleep)
     rng = rng or random.Random()
     if work.exists():
         shutil.rmtree(work)
@@ -319,8 +562,6 @@ def run_scenario(cluster: netns.Cluster, scenario: str, work: Path, *, steps: in
     fault_done = scenario == "none"
     for launch in range(max_launches):
         disk_before = newest_on_disk(root, via)
-        for f in work.glob("progress-*"):
-            f.unlink()
         job = Job(cluster, root, work, steps=steps, per_host=per_host, launch=launch,
                   sleep=sleep, env=job_env)  # fmt: skip
         outcome.launches += 1
@@ -368,4 +609,4 @@ def run_scenario(cluster: netns.Cluster, scenario: str, work: Path, *, steps: in
     return outcome
 
 
-__all__ = ["Job", "Outcome", "S3Host", "run_scenario"]
+__all__ = ["Job", "Outcome", "S3Host", "run_disk_full", "run_scenario", "run_stale_writer"]

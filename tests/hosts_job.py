@@ -3,8 +3,11 @@
 in the step, so the reference is a plain replay, :func:`reference`), saves every step
 through a ``CheckpointManager`` with the replicated mem tier in its host's ``/dev/shm``
 (disk every ``--disk-every`` steps), restores first, and writes what it did under
-``--out``: ``restore-<launch>-<rank>.json`` (step, tier, digest), ``progress-<rank>`` (the
-last step saved) and ``final-<launch>-<rank>.json`` (the final digest, replication state).
+``--out``: ``restore-<launch>-<rank>.json`` (step, tier, digest, the launch that saved
+it), ``progress-<launch>-<rank>`` (the last step saved), ``final-<launch>-<rank>.json`` (the final
+digest, replication state) and, when the job fails, ``error-<launch>-<rank>.json`` (the
+exception's type and message: what a user would read). Every save carries
+``{"launch": N}`` as its metadata, so a test tells which launch committed a checkpoint.
 """
 
 from __future__ import annotations
@@ -70,19 +73,33 @@ def main() -> None:
     p.add_argument("--launch", type=int, default=0)
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout (s)")
     p.add_argument("--width", type=int, default=0, help="a bigger model (see make)")
+    p.add_argument("--stale-after", type=float, default=None, help="the lease's stale_after")
     args = p.parse_args()
+    try:
+        run(args)
+    except BaseException as exc:
+        # What the user reads on this rank; a test checks every rank failed cleanly.
+        doc = {"type": type(exc).__name__, "message": str(exc), "host": os.uname().nodename}
+        rank = os.environ.get("RANK", "x")
+        (Path(args.out) / f"error-{args.launch}-{rank}.json").write_text(json.dumps(doc))
+        raise
+
+
+def run(args: argparse.Namespace) -> None:
+    """The job: restore, train and save every step, wait for the replicas, close."""
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     from stepvault import CheckpointManager, Every
-    from stepvault.manager.options import MemOptions
+    from stepvault.manager.options import LeaseOptions, ManagerOptions, MemOptions
     from stepvault.tiers import CopyEvery
 
     out = Path(args.out)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     os.environ.setdefault("STEPVAULT_MEM_ROOT", "/dev/shm/stepvault")  # this host's memory
-    (out / f"progress-{rank}").write_text("starting")
+    (out / f"progress-{args.launch}-{rank}").write_text("starting")
+    (out / f"host-{args.launch}-{rank}").write_text(os.uname().nodename)  # where rank runs
     mgr = CheckpointManager(
         args.root,
         "r",
@@ -90,20 +107,25 @@ def main() -> None:
         tiers={"mem": MemOptions(replicate=True)},
         tier_policy=CopyEvery("hot", steps=args.disk_every),
         lineage=False,
+        options=ManagerOptions(lease=LeaseOptions(stale_after=args.stale_after))
+        if args.stale_after
+        else None,
     )
     state = make(args.width)
-    (out / f"progress-{rank}").write_text("restoring")
+    (out / f"progress-{args.launch}-{rank}").write_text("restoring")
     t0 = time.perf_counter()
     info = mgr.restore(state)
     seconds = time.perf_counter() - t0
     start = info.step if info is not None else 0
+    saved_by = info.metadata.get("launch") if info and isinstance(info.metadata, dict) else None
     doc = {"step": start, "tier": info.tier if info else None, "digest": digest(state),
-           "seconds": seconds}  # fmt: skip
+           "seconds": seconds, "saved_by": saved_by}  # fmt: skip
     (out / f"restore-{args.launch}-{rank}.json").write_text(json.dumps(doc))
     for step in range(start + 1, args.steps + 1):
         train_step(state, 0, step)
-        mgr.save(step, state, force=step == args.steps)  # the last one on disk too
-        (out / f"progress-{rank}").write_text(str(step))
+        # the last one on disk too
+        mgr.save(step, state, force=step == args.steps, metadata={"launch": args.launch})
+        (out / f"progress-{args.launch}-{rank}").write_text(str(step))
         time.sleep(args.sleep)
     mgr.wait(replicated=True)
     replication = mgr.stats().get("replication")

@@ -13,6 +13,10 @@ Faults (only the namespaces' own addresses and links are ever touched):
 
 * :meth:`Host.kill` — SIGKILL every process of the host and wipe its ``/dev/shm`` (the
   node is replaced by a fresh one with the same address and an empty memory);
+* :meth:`Host.freeze` / :meth:`Host.thaw` — SIGSTOP / SIGCONT every process of the host
+  (a stopped VM, a host stuck in the kernel: it stops heartbeating, then comes back);
+* :meth:`Host.fill_shm` / :meth:`Host.free_shm` — fill the host's own ``/dev/shm`` tmpfs
+  (its node memory: the mem tier and the replicas it keeps) to the last byte, then free it;
 * :meth:`Host.partition` / :meth:`Host.heal` — ``ip link set eth0 down|up`` on the host;
 * :meth:`Host.cap` — a ``tc tbf`` bandwidth cap on the host's link (this kernel has no
   ``netem``: latency, loss and resets come from :class:`FaultyTCP`, a fault-injecting TCP
@@ -136,6 +140,41 @@ class Host:
                     f"umount /dev/shm; mount -t tmpfs -o size={self.shm_size} tmpfs /dev/shm",
                 ]
             )
+
+    def freeze(self) -> None:
+        """The host stops (SIGSTOP to every one of its processes): no heartbeat, no
+        packet answered, nothing lost; :meth:`thaw` resumes it where it stopped."""
+        for _ in range(2):  # a process forked meanwhile
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Resume a frozen host (SIGCONT to every one of its processes)."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def fill_shm(self, leave: int = 0) -> int:
+        """Fill the host's ``/dev/shm`` but ``leave`` bytes (0: to the last byte, ``dd``
+        until ENOSPC after a fast ``fallocate`` of the bulk); the bytes it holds now."""
+        free = int(self.run(["df", "-B1", "--output=avail", "/dev/shm"]).stdout.split()[-1])
+        n = len(
+            self.run(["sh", "-c", "ls /dev/shm/.filler* 2>/dev/null"], check=False).stdout.split()
+        )
+        bulk = free - max(leave, 1 << 20)
+        if bulk > 0:
+            self.run(["fallocate", "-l", str(bulk), f"/dev/shm/.filler{n}"])
+        if not leave:
+            self.run(
+                ["sh", "-c", f"dd if=/dev/zero of=/dev/shm/.filler{n}b bs=4k 2>/dev/null; true"]
+            )
+        out = self.run(["sh", "-c", "du -cb /dev/shm/.filler* | tail -1"]).stdout.split()
+        return int(out[0]) if out else 0
+
+    def free_shm(self) -> None:
+        """Remove what :meth:`fill_shm` wrote (the operator frees the disk)."""
+        self.run(["sh", "-c", "rm -f /dev/shm/.filler*"])
 
     def shm_files(self) -> list[str]:
         """Files under this host's ``/dev/shm`` (relative paths)."""

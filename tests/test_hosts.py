@@ -91,3 +91,34 @@ def test_job_with_its_store_behind_a_slow_lossy_link_survives_a_host_loss(tmp_pa
             s3.stop()
     assert outcome.ok, (seed, outcome)
     assert outcome.launches >= 2 and any(step > 0 for step, _ in outcome.restored), outcome
+
+
+@pytest.mark.slow
+def test_a_stale_writers_commit_is_refused_across_hosts(tmp_path):
+    """Job A on h0+h1 with a 3 s lease; the coordinator's host (A's rank 0) is frozen
+    (SIGSTOP of the host) mid-save past the lease; job B on h2+h3 takes the run over,
+    restores and commits; A's host is thawed: A is refused (LeaseLostError on rank 0), none
+    of A's processes hangs, nothing A saved after the takeover is visible, B ends bitwise at
+    the reference, and a relaunch on A's hosts resumes the newest checkpoint bitwise."""
+    from hosts import run_stale_writer
+
+    seed = random.randrange(1 << 30)
+    with netns.Cluster(4) as cluster:
+        outcome = run_stale_writer(cluster, tmp_path / "w", steps=12, rng=random.Random(seed))
+    assert outcome.ok, (seed, outcome)
+    assert outcome.launches == 3 and outcome.restored[-1][0] == 12, outcome
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_one_host_fails_the_save_cleanly_and_the_job_resumes(tmp_path):
+    """One host's own disk (its /dev/shm tmpfs: node memory, the mem tier and the buddy's
+    replicas) fills to the last byte mid-save: the rank on that host stops with a
+    StepvaultError naming the step, no rank hangs, every committed checkpoint verifies,
+    and once the disk is freed the relaunch resumes bitwise and ends at the reference."""
+    from hosts import run_disk_full
+
+    seed = random.randrange(1 << 30)
+    with netns.Cluster(2) as cluster:
+        outcome = run_disk_full(cluster, tmp_path / "w", steps=12, rng=random.Random(seed))
+    assert outcome.ok, (seed, outcome)
+    assert outcome.launches == 2 and any("StepvaultError" in n for n in outcome.notes), outcome
