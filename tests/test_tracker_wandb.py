@@ -6,6 +6,7 @@ log) and restores from the recorded reference bitwise.
 
 from __future__ import annotations
 
+import os
 import struct
 import warnings
 from pathlib import Path
@@ -17,8 +18,9 @@ wandb = pytest.importorskip("wandb")
 
 import stepvault  # noqa: E402
 from stepvault.catalog.events import read_events  # noqa: E402
-from stepvault.integrations.wandb import WandbTracker, checkpoint_uri  # noqa: E402
+from stepvault.integrations.wandb import WandbTracker, checkpoint_uri, sync_registry  # noqa: E402
 from stepvault.manager.options import ManagerOptions  # noqa: E402
+from stepvault.registry import Registry  # noqa: E402
 from stepvault.store import Store  # noqa: E402
 
 
@@ -62,6 +64,23 @@ def offline_artifacts(run_dir: Path) -> list:
     return out
 
 
+def finish(run) -> Path:
+    """Finish ``run`` and wait until its ``.wandb`` log is on disk; returns its directory.
+
+    ``run.finish()`` returns once the exit record is handled, but it only *informs* the
+    wandb-core service that the run is done (a message, no reply): the service then
+    closes the run's stream, and its log writer, which buffers 32 KiB blocks, writes the
+    records to the file only then. Read right after ``finish()`` the file can still be
+    its 7-byte header. ``wandb.teardown()`` sends the teardown on the same connection
+    (handled after the finish, in order) and waits for the service process to exit, so
+    the stream is closed and the file complete when it returns.
+    """
+    run_dir = Path(run.dir).parent
+    run.finish()
+    wandb.teardown()
+    return run_dir
+
+
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -93,8 +112,7 @@ def test_each_checkpoint_is_a_reference_artifact_version(offline, tmp_path):
         state["step"] = step
         mgr.save(step, state, metrics={"val_loss": val[step]})
     mgr.close()
-    run_dir = Path(run.dir).parent
-    run.finish()
+    run_dir = finish(run)
     assert [s for s, _, _ in tracker.recorded] == [1, 2, 3, 4], tracker.failed
 
     store = Store.open(root)
@@ -126,6 +144,14 @@ def test_each_checkpoint_is_a_reference_artifact_version(offline, tmp_path):
     events = [e for e in read_events(store, "exp1") if e["event"] == "tracker_ref"]
     assert [(e["step"], e["tracker"]) for e in events] == [(s, "wandb") for s in (1, 2, 3, 4)]
     assert events[0]["ref"] == "wandb-artifact:///stepvault-test/stepvault-exp1:step-1"
+
+    # The tracker_ref names a W&B artifact: restore refuses it, naming the way through
+    # W&B, and changes nothing.
+    before = {k: v.clone() for k, v in fresh["model"].state_dict().items()}
+    with pytest.raises(stepvault.errors.InvalidNameError, match=r"W&B artifact.*checkpoint_uri"):
+        stepvault.restore(events[0]["ref"], fresh)
+    for k, v in before.items():
+        assert torch.equal(fresh["model"].state_dict()[k], v)
 
 
 def test_checkpoint_uri_of_a_logged_artifact_and_a_foreign_one(offline, tmp_path):
@@ -161,3 +187,60 @@ def test_a_failing_wandb_run_records_tracker_failed_and_training_goes_on(offline
     failed = [e for e in events if e["event"] == "tracker_failed"]
     assert [(e["step"], e["tracker"]) for e in failed] == [(1, "wandb"), (2, "wandb")]
     assert stepvault.restore(root, _state(3), run="r").step == 2
+
+
+def test_the_registry_is_mirrored_to_an_artifact_with_its_aliases(offline, tmp_path):
+    """sync_registry logs each registered version of a model as its checkpoint's
+    reference, oldest first, with the aliases it holds: replayed in order (as W&B applies
+    them on sync: an alias is on one version of an artifact, the last one logged with it)
+    the W&B aliases are stepvault's, after a promote too, and latest is the newest
+    version. A version whose checkpoint is gone logs nothing."""
+    root = tmp_path / "ckpts"
+    state = _state(0)
+    run = wandb.init(project="stepvault-test", name="exp1", dir=str(offline))
+    mgr = stepvault.CheckpointManager(
+        root, run="exp1", options=ManagerOptions(hooks=(WandbTracker(),))
+    )
+    for step in (1, 2, 3):
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.close()
+    reg = Registry(root)
+    reg.promote("clf", "exp1@1", "champion")
+    reg.promote("clf", "exp1@2", "candidate")
+    assert sync_registry(root, "clf") == {"candidate": "exp1@2", "champion": "exp1@1"}
+    reg.promote("clf", "exp1@3", "champion")  # a new version takes the alias
+    assert sync_registry(root, "clf") == {"candidate": "exp1@2", "champion": "exp1@3"}
+
+    stepvault.save(root, state, run="exp2", step=5)
+    reg.promote("other", "exp2@5", "champion")
+    os.remove(root / Store.manifest_key("exp2", 5))  # deleted behind the registry's back
+    with pytest.raises(stepvault.errors.RegistryError, match=r"other v1 .*exp2@5"):
+        sync_registry(root, "other")
+    run_dir = finish(run)
+
+    url = Store.open(root).backend.url
+    records = {r.step: r for r in stepvault.open(root).checkpoints("exp1")}
+    arts = offline_artifacts(run_dir)
+    assert "other" not in {a.name for a in arts}  # nothing logged for the broken model
+    logged = [a for a in arts if a.name == "clf"]
+    steps = []
+    holder: dict[str, int] = {}
+    for a in logged:
+        (entry,) = a.manifest.contents
+        step = int(entry.ref.rpartition("@")[2])
+        assert entry.ref == f"stepvault:{url}#exp1@{step}"
+        assert entry.digest == records[step].manifest_id and a.type == "model"
+        steps.append(step)
+        holder.update({alias: step for alias in a.aliases})
+    assert steps == [1, 2, 1, 2, 3]  # each sync: every version, oldest first
+    assert holder == {"champion": 3, "candidate": 2, "latest": 3}
+    # The tracker's own artifact is untouched: latest stays on the run's newest checkpoint.
+    run_art = [a for a in arts if a.name == "stepvault-exp1"]
+    assert [("latest" in a.aliases, a.manifest.contents[0].ref[-1]) for a in run_art] == [
+        (True, "1"),
+        (True, "2"),
+        (True, "3"),
+    ]
+    champion = next(a for a in reversed(logged) if "champion" in a.aliases)
+    assert stepvault.restore(champion.manifest.contents[0].ref, _state(4)).step == 3

@@ -151,6 +151,15 @@ def parse_located_ref(text: str) -> LocatedRef:
     ``models:/NAME/VERSION``, ``models:/MODEL_ID``: resolved by the tracker's
     integration), to the checkpoint it names."""
     source = text
+    if isinstance(text, str) and text.startswith("wandb-artifact://"):
+        # What WandbTracker records in tracker_ref names a W&B artifact version; only the
+        # W&B server knows what it holds, so it is refused rather than looked up here.
+        raise InvalidNameError(
+            f"{text!r} names a W&B artifact, which stepvault does not resolve: fetch it "
+            "with wandb (art = wandb.Api().artifact('ENTITY/PROJECT/NAME:ALIAS') or "
+            "run.use_artifact(...)) and restore "
+            "stepvault.integrations.wandb.checkpoint_uri(art)"
+        )
     for prefix, (module, extra) in TRACKER_SCHEMES.items():
         if isinstance(text, str) and text.startswith(prefix):
             try:

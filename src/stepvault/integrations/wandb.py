@@ -22,17 +22,24 @@ reference entry, ``checkpoint``: its ``ref`` is ``stepvault:ROOT#RUN@STEP`` (wha
 version exactly when the checkpoint differs) and its ``size`` the checkpoint's stored
 bytes; the metadata has the step, kind, epoch and metrics. Aliases: ``latest``,
 ``step-N`` and ``best`` (by ``best_metric``, when given).
+
+:func:`sync_registry` mirrors a stepvault registry model into an artifact named after the
+model: a version per registered version (the same reference), each with its registry
+aliases, so ``wandb.Api().artifact("entity/llm/classifier:champion")`` is the champion.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Literal
 
 from ..catalog.refs import parse_located_ref
-from ..errors import StepvaultError
+from ..errors import RegistryError, StepvaultError
 from ..manager.hooks import HookContext
-from ._trackers import CommittedCheckpoint, TrackerHook
+from ..registry import Registry
+from ..store import Store
+from ._trackers import CommittedCheckpoint, TrackerHook, committed_checkpoint
 
 try:
     import wandb
@@ -42,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         'pip install "stepvault[wandb]"'
     ) from exc
 
-__all__ = ["WandbTracker", "checkpoint_uri"]
+__all__ = ["WandbTracker", "checkpoint_uri", "reference_artifact", "sync_registry"]
 
 #: the artifact entry that holds the reference
 ENTRY = "checkpoint"
@@ -96,28 +103,7 @@ class WandbTracker(TrackerHook):
 
     def record(self, ckpt: CommittedCheckpoint) -> tuple[str, str]:
         assert self.artifact is not None
-        art = wandb.Artifact(
-            self.artifact,
-            type="model",
-            description=f"stepvault checkpoint {ckpt.uri}",
-            metadata={
-                "stepvault_uri": ckpt.uri,
-                "step": ckpt.step,
-                "kind": ckpt.kind,
-                "epoch": ckpt.epoch,
-                "metrics": ckpt.metrics,
-                "manifest_blake3": ckpt.manifest_id,
-                "logical_bytes": ckpt.logical_bytes,
-                "stored_bytes": ckpt.stored_bytes,
-            },
-        )
-        # A reference with a scheme W&B does not read: it checksums nothing and copies
-        # nothing. The digest and size are stepvault's own (the manifest's BLAKE3 names
-        # every byte of the checkpoint).
-        (entry,) = art.add_reference(ckpt.uri, name=ENTRY, checksum=False)
-        entry.digest = ckpt.manifest_id
-        entry.size = ckpt.stored_bytes
-        entry.extra["blake3"] = ckpt.manifest_id
+        art = reference_artifact(self.artifact, ckpt)
         aliases = ["latest", f"step-{ckpt.step}", *self._aliases(ckpt)]
         self.run.log_artifact(art, aliases=aliases)
         return self._ref(ckpt.step), f"{self.artifact}:step-{ckpt.step}"
@@ -139,6 +125,81 @@ class WandbTracker(TrackerHook):
 
     def __repr__(self) -> str:
         return f"WandbTracker(artifact={self.artifact!r}, best_metric={self.best_metric!r})"
+
+
+def reference_artifact(name: str, ckpt: CommittedCheckpoint) -> Any:
+    """The reference artifact version of ``ckpt`` (what the tracker logs)."""
+    art = wandb.Artifact(
+        name,
+        type="model",
+        description=f"stepvault checkpoint {ckpt.uri}",
+        metadata={
+            "stepvault_uri": ckpt.uri,
+            "step": ckpt.step,
+            "kind": ckpt.kind,
+            "epoch": ckpt.epoch,
+            "metrics": ckpt.metrics,
+            "manifest_blake3": ckpt.manifest_id,
+            "logical_bytes": ckpt.logical_bytes,
+            "stored_bytes": ckpt.stored_bytes,
+        },
+    )
+    # A reference with a scheme W&B does not read: it checksums nothing and copies
+    # nothing. The digest and size are stepvault's own (the manifest's BLAKE3 names
+    # every byte of the checkpoint), so W&B versions the artifact by checkpoint.
+    (entry,) = art.add_reference(ckpt.uri, name=ENTRY, checksum=False)
+    entry.digest = ckpt.manifest_id
+    entry.size = ckpt.stored_bytes
+    entry.extra["blake3"] = ckpt.manifest_id
+    return art
+
+
+def sync_registry(
+    root: str | os.PathLike[str] | Store,
+    model: str,
+    *,
+    run: Any = None,
+    artifact: str | None = None,
+) -> dict[str, str]:
+    """Mirror stepvault registry model ``model`` into the W&B artifact ``artifact``
+    (default: the model's name) of ``run`` (default ``wandb.run``); returns alias ->
+    ``RUN@STEP``.
+
+    Each registered version, oldest first, is logged as its checkpoint's reference with
+    the registry aliases it holds. W&B versions an artifact by its entries' digests (here
+    the manifest's BLAKE3), so a version synced before is the same W&B version again and
+    only its aliases move; an alias moved in stepvault moves in W&B, and ``latest`` ends
+    on the newest registered version (W&B puts ``latest`` on every logged version, the
+    last one keeps it). stepvault's registry is the source of truth: aliases set in W&B
+    are not read back, and an alias removed in stepvault stays in W&B until removed
+    there (the client cannot delete an alias offline). Every version's checkpoint is read
+    before anything is logged: a deleted or damaged one raises :class:`RegistryError`
+    and logs nothing.
+    """
+    run = run if run is not None else wandb.run
+    if run is None:
+        raise RuntimeError("sync_registry logs to a W&B run: call wandb.init() or give run=")
+    reg = Registry(root)
+    name = artifact or re.sub(r"[^A-Za-z0-9_.-]", "-", model)
+    held: dict[int, list[str]] = {}
+    for alias, number in reg.aliases(model).items():
+        held.setdefault(number, []).append(alias)
+    plan = []
+    for version in reg.versions(model):
+        try:
+            ckpt = committed_checkpoint(reg.store, version.run, version.step)
+        except LookupError as exc:
+            raise RegistryError(
+                f"cannot mirror {model} v{version.version} to W&B: {exc}; nothing was "
+                f"logged. Move its aliases to a checkpoint that exists ('stepvault promote "
+                f"{model} RUN@STEP --alias ALIAS') and sync again"
+            ) from None
+        plan.append((version, ckpt))
+    for version, ckpt in plan:
+        art = reference_artifact(name, ckpt)
+        art.metadata = {**art.metadata, "stepvault_model": model, "version": version.version}
+        run.log_artifact(art, aliases=held.get(version.version, []))
+    return {alias: reg.version(model, n).ref for alias, n in reg.aliases(model).items()}
 
 
 def checkpoint_uri(artifact: Any) -> str:
