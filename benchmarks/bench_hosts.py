@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Resume after a host loss on namespaced hosts (issue 33): buddy memory vs disk vs S3, and
-the replication lag behind the save, with and without a bandwidth cap on the hosts' links.
+the replication lag behind the save, with and without a bandwidth cap or added latency
+between the hosts.
 
 Two hosts made by ``tests/netns.py`` (root; network, mount and UTS namespaces, each with
 its own ``/dev/shm``) run ``tests/hosts_job.py`` under ``torchrun`` (one rank each, a
@@ -14,8 +15,11 @@ its own ``/dev/shm``) run ``tests/hosts_job.py`` under ``torchrun`` (one rank ea
 The restore time is ``mgr.restore()`` inside the restarted job (all ranks agree, fetch,
 verify, place), median over ``--repeats``. The replication lag is each ``replica`` event's
 ``lag_seconds`` (from the save's commit into memory to the buddy's committed replica),
-median over the saves, without and with ``tc tbf`` capping each host's sending rate
-(``--cap``; this kernel has no ``netem``, so latency is not added between hosts).
+median over the saves: the links as they are, with ``tc tbf`` capping each host's sending
+rate (``--cap``), and with ``--delay-ms`` added to every packet between the hosts each way
+(this kernel has no ``netem``: ``netns.Cluster.delay`` routes the hosts' traffic through a
+userspace delay line on a TUN device in a router host). The first case rotates through the
+three link conditions over the repeats.
 
 Rewrites the section between ``<!-- hosts:begin -->`` and ``<!-- hosts:end -->``.
 """
@@ -58,11 +62,43 @@ def _lags(root: str) -> list[float]:
     return [e["lag_seconds"] for e in events if e["event"] == "replica" and "lag_seconds" in e]
 
 
+def _probe(cluster) -> tuple[float, float]:
+    """The median TCP round trip (ms) and bulk throughput (MB/s) from h0 to h1."""
+    a, b = cluster.hosts[:2]
+    server = (
+        "import socket\ns = socket.create_server(('0.0.0.0', 7300))\n"
+        "for _ in range(2):\n    c, _ = s.accept()\n"
+        "    while d := c.recv(1 << 20):\n        c.send(d[:1])\n"
+    )
+    srv = b.popen([sys.executable, "-c", server])
+    client = (
+        "import socket, statistics, time\n"
+        "for _ in range(100):\n"
+        f"    try: c = socket.create_connection(('{b.address}', 7300)); break\n"
+        "    except OSError: time.sleep(0.05)\n"
+        "c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\nr = []\n"
+        "for _ in range(30):\n"
+        "    t = time.perf_counter(); c.sendall(b'x'); c.recv(1)\n"
+        "    r.append(time.perf_counter() - t)\n"
+        "c.close()\nc = socket.create_connection(('" + b.address + "', 7300))\n"
+        "t = time.perf_counter(); c.sendall(b'x' * (32 << 20)); c.shutdown(socket.SHUT_WR)\n"
+        "while c.recv(1 << 20): pass\n"
+        "print(statistics.median(r) * 1000, 32 * 1.048576 / (time.perf_counter() - t))"
+    )
+    try:
+        rtt, mbs = a.run([sys.executable, "-c", client]).stdout.split()
+    finally:
+        srv.kill()
+        srv.wait()
+    return float(rtt), float(mbs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--width", type=int, default=2048, help="model width (16 B per parameter)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cap", default="200mbit", help="tbf rate for the capped lag")
+    p.add_argument("--delay-ms", type=float, default=5.0, help="latency added each way")
     p.add_argument("--out", default=str(HERE.parent / "BENCHMARKS.md"))
     p.add_argument("--workdir", "--work", dest="work", default="/tmp/stepvault-bench-hosts")
     p.add_argument("--cases", default="buddy,disk,s3", help="of buddy, disk, s3")
@@ -89,9 +125,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-hosts-", dir=base))  # removed at the end
     times: dict[str, list[float]] = {"buddy memory (peer)": [], "own memory (mem)": [],
                                      "disk (hot)": [], "S3": []}  # fmt: skip
-    lags: dict[str, list[float]] = {"no cap": [], f"tbf {args.cap}": []}
+    delayed = f"+{args.delay_ms:g} ms each way (delay line)"
+    lags: dict[str, list[float]] = {"no cap": [], f"tbf {args.cap}": [], delayed: []}
     with netns.Cluster(2, s3="s3" in cases, shm_size="2g") as cluster:
         s3 = hosts.S3Host(cluster) if "s3" in cases else None
+        cluster.delay(args.delay_ms)
+        rtt, line_mbs = _probe(cluster)
+        cluster.delay(0)
         try:
             for rep in range(args.repeats):
                 for case in cases:
@@ -108,16 +148,18 @@ def main() -> None:
                         assert s3 is not None
                         s3.conditions()
                         env = s3.env()
-                    # the lag capped in every other run of the first case that records lags
-                    capped = case == cases[0] and case != "s3" and rep % 2 == 1
+                    # the first case that records lags rotates the link conditions
+                    link = rep % 3 if case == cases[0] and case != "s3" else 0
                     for h in cluster.hosts:
-                        (h.cap(rate=args.cap) if capped else h.uncap())
+                        (h.cap(rate=args.cap) if link == 1 else h.uncap())
+                    cluster.delay(args.delay_ms if link == 2 else 0)
                     steps = 5 if case == "buddy" else 6
                     _launch(cluster, root, folder, 0, steps, args.width, env)
                     for h in cluster.hosts:
                         h.uncap()
+                    cluster.delay(0)
                     if case != "s3":
-                        lags[f"tbf {args.cap}" if capped else "no cap"] += _lags(root)
+                        lags[["no cap", f"tbf {args.cap}", delayed][link]] += _lags(root)
                     if case == "buddy":
                         cluster.hosts[1].kill(wipe=True)  # h0 keeps its memory
                     else:
@@ -200,8 +242,13 @@ def main() -> None:
             ],
         ),
         "",
-        "This kernel has no `netem`, so no latency is added between hosts; the capped row is "
-        "a `tc tbf` cap on each host's sending rate. All hosts share this machine's cores.",
+        "The capped row is a `tc tbf` cap on each host's sending rate. This kernel has no "
+        "`netem` (nor `fq`/`etf`), so the latency row routes every packet between the hosts "
+        "through a router host whose forwarding goes through a TUN device and a userspace "
+        f"delay line (`netns.Cluster.delay`): {args.delay_ms:g} ms each way, measured RTT "
+        f"{rtt:.1f} ms; the line is a Python process on the same cores, so it also caps the "
+        f"throughput between the hosts (~{line_mbs:.0f} MB/s here). All hosts share this "
+        "machine's cores.",
     ]
     _common.write_section(Path(args.out), "hosts", "\n".join(lines))
     print("\n".join(lines))

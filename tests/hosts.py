@@ -82,7 +82,7 @@ class Job:
             argv = [
                 TORCHRUN, f"--nnodes={len(hosts)}", f"--nproc-per-node={per_host}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                f"--rdzv-id=job{launch}", "--max-restarts=0", "--monitor-interval=0.5",
+                f"--rdzv-id=job{launch}", "--max-restarts=0", "--monitor-interval=0.1",
                 str(TESTS / "hosts_job.py"), "--root", root, "--out", str(out),
                 "--steps", str(steps), "--disk-every", str(disk_every), "--sleep", str(sleep),
                 "--launch", str(launch), "--timeout", str(timeout), "--width", str(width),

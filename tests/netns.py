@@ -22,6 +22,15 @@ Faults (only the namespaces' own addresses and links are ever touched):
   ``netem``: latency, loss and resets come from :class:`FaultyTCP`, a fault-injecting TCP
   proxy run inside a host, see ``python -m netns proxy``).
 
+* :meth:`Cluster.delay` — latency between the training hosts. This kernel has no
+  ``netem`` (nor ``fq``/``etf``, which an eBPF departure-time program would need); ``tbf``
+  and ``htb`` only shape bandwidth (a packet waits only when the bucket is empty, so a
+  tiny rate adds queueing that grows with the traffic, not a fixed latency). So the
+  delay is a router host ``dly`` on the bridge whose forwarded packets go through a TUN
+  device to a userspace delay line (:class:`DelayLine`, ``python netns.py delay``) and
+  back: every packet between two training hosts (gloo, the c10d store, replication)
+  takes ``ms`` longer each way, whatever its protocol or port.
+
 :func:`unavailable` says why namespaces cannot be used here (tests skip with it).
 """
 
@@ -251,6 +260,44 @@ class Cluster:
         host.run(["ip", "link", "set", "eth0", "up"])
         return host
 
+    def delay(self, ms: float) -> None:
+        """Add ``ms`` milliseconds each way to every packet between two training hosts
+        (0: none). The first call adds the router host ``dly`` (see the module doc)."""
+        if getattr(self, "router", None) is None:
+            self.router = self._add("dly", 254, "1m")
+            self.router.run(["sh", "-c", "; ".join([
+                "sysctl -qw net.ipv4.ip_forward=1",
+                "for k in all default eth0; do sysctl -qw net.ipv4.conf.$k.send_redirects=0; "
+                "sysctl -qw net.ipv4.conf.$k.rp_filter=0; done",
+                "ip rule add iif eth0 lookup 100",
+            ])])  # fmt: skip
+            self.line: subprocess.Popen[bytes] | None = None
+        if self.line is not None:
+            self.line.kill()
+            self.line.wait()
+            self.line = None
+        for host in self.hosts:  # routes back to direct; redirects never honoured
+            host.run(["sysctl", "-qw", "net.ipv4.conf.all.accept_redirects=0"])
+            for other in self.hosts:
+                if other is not host:
+                    host.run(["ip", "route", "del", f"{other.address}/32"], check=False)
+        if ms <= 0:
+            return
+        self.line = self.router.popen(
+            [sys.executable, os.path.abspath(__file__), "delay", "--ms", str(ms)],
+            stdout=subprocess.PIPE,
+        )
+        assert self.line.stdout is not None
+        if self.line.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the delay line did not start on the router host")
+        self.router.run(["sh", "-c", "ip link set tun0 up && "
+                         "ip route replace default dev tun0 table 100"])  # fmt: skip
+        for host in self.hosts:
+            for other in self.hosts:
+                if other is not host:
+                    host.run(["ip", "route", "replace", f"{other.address}/32", "via",
+                              self.router.address])  # fmt: skip
+
     def __enter__(self) -> Cluster:
         return self
 
@@ -258,7 +305,8 @@ class Cluster:
         self.close()
 
     def close(self) -> None:
-        for host in [*self.hosts, *([self.s3] if getattr(self, "s3", None) else [])]:
+        extra = [h for h in (getattr(self, "s3", None), getattr(self, "router", None)) if h]
+        for host in [*self.hosts, *extra]:
             with contextlib.suppress(Exception):
                 host.close()
         with contextlib.suppress(Exception):
@@ -321,6 +369,44 @@ class FaultyTCP:
                     s.close()
 
 
+class DelayLine:
+    """A userspace ``netem delay``: packets read from a TUN device are written back into it
+    ``ms`` later, in order (run in the router host, see :meth:`Cluster.delay`)."""
+
+    TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
+
+    def __init__(self, ms: float, name: str = "tun0") -> None:
+        import collections
+        import fcntl
+
+        self.seconds = ms / 1000
+        self.fd = os.open("/dev/net/tun", os.O_RDWR)
+        ifr = struct.pack("16sH", name.encode(), self.IFF_TUN | self.IFF_NO_PI)
+        fcntl.ioctl(self.fd, self.TUNSETIFF, ifr)
+        self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.ready = threading.Condition()
+
+    def serve(self) -> None:
+        threading.Thread(target=self._write, daemon=True).start()
+        while True:
+            packet = os.read(self.fd, 65536)
+            with self.ready:
+                self.queue.append((time.monotonic() + self.seconds, packet))
+                self.ready.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self.ready:
+                while not self.queue:
+                    self.ready.wait()
+                due, packet = self.queue.popleft()
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            with contextlib.suppress(OSError):
+                os.write(self.fd, packet)
+
+
 def _main(argv: list[str]) -> None:
     import argparse
 
@@ -332,7 +418,14 @@ def _main(argv: list[str]) -> None:
     px.add_argument("--delay", type=float, default=0.0, help="seconds added per packet (mean)")
     px.add_argument("--reset", type=float, default=0.0, help="fraction of connections cut")
     px.add_argument("--seed", type=int, default=None)
+    dl = sub.add_parser("delay", help="a delay line on a TUN device (run inside a host)")
+    dl.add_argument("--ms", type=float, required=True)
     args = p.parse_args(argv)
+    if args.cmd == "delay":
+        line = DelayLine(args.ms)
+        print("ready", flush=True)
+        line.serve()
+        return
     host, port = args.target.rsplit(":", 1)
     proxy = FaultyTCP(("0.0.0.0", args.listen), (host, int(port)), delay=args.delay,
                       reset=args.reset, seed=args.seed)  # fmt: skip

@@ -54,6 +54,42 @@ def test_hosts_are_separate_machines():
         assert _reach(a, b, 7102)
 
 
+def _rtt(a: netns.Host, b: netns.Host, port: int) -> float:
+    """The smallest of 10 TCP round trips (s) from ``a`` to an echo server on ``b``."""
+    server = b.popen([sys.executable, "-c", "import socket; s = socket.create_server(('0.0.0.0', "
+                      f"{port})); c, _ = s.accept()\nwhile d := c.recv(1): c.send(d)"])  # fmt: skip
+    try:
+        code = (
+            "import socket, time\n"
+            "for _ in range(100):\n"
+            f"    try: c = socket.create_connection(('{b.address}', {port}), timeout=5); break\n"
+            "    except ConnectionRefusedError: time.sleep(0.05)\n"
+            "c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\nr = []\n"
+            "for _ in range(10):\n"
+            "    t = time.perf_counter(); c.sendall(b'x'); c.recv(1)\n"
+            "    r.append(time.perf_counter() - t)\n"
+            "print(min(r))"
+        )
+        return float(a.run([sys.executable, "-c", code]).stdout)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_latency_between_hosts_comes_from_the_delay_line():
+    """No netem here: Cluster.delay routes the hosts' packets through a router host's TUN
+    delay line. Every round trip between two hosts takes at least twice the delay; without
+    it the hosts talk directly again (no route through the router)."""
+    with netns.Cluster(2, shm_size="16m") as cluster:
+        a, b = cluster.hosts
+        cluster.delay(25)
+        assert "via" in a.run(["ip", "route", "get", b.address]).stdout
+        assert _rtt(a, b, 7200) >= 0.050
+        cluster.delay(0)
+        assert "via" not in a.run(["ip", "route", "get", b.address]).stdout
+        assert _reach(a, b, 7201)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["kill_save", "partition", "kill_restore"])
 def test_job_across_hosts_survives(tmp_path, scenario):
