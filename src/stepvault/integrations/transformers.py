@@ -24,11 +24,20 @@ newest checkpoint that verifies (an int: exactly that step; a path string: an or
 Under DDP (``torchrun --nproc_per_node N``) the world process zero writes the checkpoint
 (a rank-local manager that holds the run's lease) with every rank's RNG state gathered
 into it, takes the save decisions for all ranks, and chooses the checkpoint every rank
-resumes from. DeepSpeed and FSDP are refused.
+resumes from.
+
+With DeepSpeed (ZeRO 1/2/3) or FSDP2 the model and optimizer are sharded: every rank holds
+a collective manager and writes its own shards into one checkpoint (DeepSpeed's files
+through :class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer`'s checkpoint
+engine; the FSDP2 DTensor shards through the collective path). A resume chooses the
+checkpoint before the Trainer builds the engine or shards the model (every rank verifies
+its share of the candidate's objects, the ranks agree, damage anywhere falls back on every
+rank), then loads exactly that step once they exist. FSDP1 is refused.
 
 Hooks overridden (Transformers 5.x): ``_save_checkpoint``, ``_load_from_checkpoint``,
-``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``, and ``train`` (to
-pick the checkpoint).
+``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``,
+``_prepare_for_training`` (sharded jobs: the load once the engine or shards exist), and
+``train`` (to pick the checkpoint).
 
 (Longer than most modules: the HF callback and the Trainer mixin are one integration and
 share their state; the shared pieces are in _common.py and _attachments.py.)
@@ -42,6 +51,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +135,9 @@ class StepvaultCallback(TrainerCallback):
         self._opened = False
         self._signals = PolicySignals(save) if save is not None else None
         self._prepare_staging = StagingPreparer()
+        #: set by StepvaultTrainer for DeepSpeed and FSDP2: every rank holds a collective
+        #: manager (each writes its own shards) and asks it every question together
+        self.collective = False
 
     @property
     def has_checkpoint(self) -> bool:
@@ -140,15 +153,36 @@ class StepvaultCallback(TrainerCallback):
         then a collective one: every rank makes it at the same point of ``train``.
         """
         if not self._opened:
-            options = dict(self.manager_options)
-            if total_steps:
-                options.setdefault("total_steps", total_steps)
-            open_manager_on_rank0(self, options)
+            options = self._options(total_steps)
+            if self.collective:  # every rank: the collective path (manager/collective_saving)
+                self.manager = CheckpointManager(
+                    self.root,
+                    self.run,
+                    save=self.save_policy,
+                    keep=self.keep_policy,
+                    async_save=self.async_save,
+                    **options,
+                )
+            else:
+                open_manager_on_rank0(self, options)
             self._opened = True
             self._prepare_staging.reset()
             if self.manager is None and self._signals is not None:
                 self._signals.install()  # the other ranks survive a preemption notice
         return self.manager
+
+    def _options(self, total_steps: int | None = None) -> dict[str, Any]:
+        options = dict(self.manager_options)
+        if total_steps:
+            options.setdefault("total_steps", total_steps)
+        return options
+
+    def adopt(self, manager: CheckpointManager) -> None:
+        """Use ``manager`` (a collective one another object built, e.g. the DeepSpeed
+        checkpointer's) as this callback's."""
+        self.manager = manager
+        self._opened = True
+        self._prepare_staging.reset()
 
     def close(self, *, quiet: bool = False) -> None:
         """Wait for the save in flight and release the run (done at the end of ``train``)."""
@@ -170,13 +204,18 @@ class StepvaultCallback(TrainerCallback):
         if mgr is not None and mgr.total_steps is None and state.max_steps:
             mgr.total_steps = state.max_steps  # opened by a resume, before max_steps was known
         # The optimizer exists (and a resume has loaded it): the first due save only copies.
-        self._prepare_staging(mgr, _bulk(kwargs))
+        if not self.collective:  # (sharded: the state saved is the shards, not these)
+            self._prepare_staging(mgr, _bulk(kwargs))
 
     def _decide(self, state, control) -> None:
         if self.save_policy is None:
             return  # the Trainer's save_strategy decides
         epoch = math.floor(state.epoch) if state.epoch is not None else None
-        self.open()
+        mgr = self.open()
+        if self.collective:  # every rank asks; the collective manager agrees the answer
+            assert mgr is not None
+            control.should_save = mgr.should_save(state.global_step, epoch)
+            return
         # Several processes: process zero decides for all (clocks and signals differ),
         # every rank then enters _save_checkpoint together.
         control.should_save = on_rank0(
@@ -187,7 +226,7 @@ class StepvaultCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._decide(state, control)
-        if not control.should_save:
+        if not control.should_save and not self.collective:
             # A fresh Adam has its moments now (after its first step): prepare for them.
             self._prepare_staging(self.manager, _bulk(kwargs))
 
@@ -229,6 +268,10 @@ class StepvaultTrainerMixin(_TrainerBase):
     """
 
     _stepvault_resume: tuple[str, dict[str, Any]] | None = None
+    #: "deepspeed" or "fsdp2" while a sharded job trains (every rank saves its shards)
+    _stepvault_sharding: str | None = None
+    #: the DeepSpeed engine's checkpointer (DeepSpeed jobs, once the engine exists)
+    _stepvault_ds: Any = None
 
     def _stepvault_callback(self) -> StepvaultCallback:
         for cb in self.callback_handler.callbacks:
@@ -239,19 +282,44 @@ class StepvaultTrainerMixin(_TrainerBase):
             "the store, the run and the policies)"
         )
 
+    def _stepvault_sharded_mode(self) -> str | None:
+        """``"deepspeed"``, ``"fsdp2"`` or None (DDP / one process); FSDP1 is refused."""
+        if self.is_deepspeed_enabled:
+            return "deepspeed"
+        if not self.is_fsdp_enabled:
+            return None
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise StepvaultError(
+                "the stepvault Trainer integration supports FSDP2 only "
+                '(fsdp_config={"fsdp_version": 2}): FSDP1\'s flat parameters are not the '
+                "model's, its ShardedTensor optimizer state does not load back through "
+                "torch.distributed.checkpoint in torch 2.13, and the Trainer's own FSDP1 "
+                "sharded resume loads the optimizer into a fresh, empty template; see "
+                "INTEGRATIONS.md"
+            )
+        return "fsdp2"
+
     def _stepvault_check(self) -> None:
         args = self.args
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        sharded = self._stepvault_sharded_mode()
+        if sharded is not None and rank_and_world()[1] < 2:
             raise StepvaultError(
-                "the stepvault Trainer integration does not support DeepSpeed or FSDP (they "
-                "shard the model and optimizer; a checkpoint written by process zero alone "
-                "would miss the other ranks' shards). Train with DDP (torchrun without "
-                "--deepspeed/--fsdp); for a sharded model use Accelerate with FSDP2 "
-                "(AcceleratorCheckpointer), Lightning's ModelParallelStrategy "
-                "(StepvaultCheckpoint) or a stepvault.CheckpointManager called on every "
-                "rank from your own loop; see INTEGRATIONS.md"
+                f"the stepvault Trainer integration saves a {sharded} job collectively, "
+                "which needs a process group of 2 or more ranks (torchrun "
+                f"--nproc_per_node N); train one process without {sharded}"
             )
-        if args.world_size > 1 and args.parallel_mode != ParallelMode.DISTRIBUTED:
+        if sharded is not None and args.save_only_model:
+            raise StepvaultError(
+                f"save_only_model is not supported with {sharded} by the stepvault Trainer "
+                "integration (every checkpoint holds the sharded training state); use "
+                "keep=KeepLast(n) to bound the store, and `stepvault export` for the weights"
+            )
+        if (
+            sharded is None
+            and args.world_size > 1
+            and args.parallel_mode != ParallelMode.DISTRIBUTED
+        ):
             raise StepvaultError(
                 f"the stepvault Trainer integration supports DDP (torchrun) with several "
                 f"processes, not {args.parallel_mode}; see INTEGRATIONS.md"
@@ -276,25 +344,43 @@ class StepvaultTrainerMixin(_TrainerBase):
         ordinary checkpoint folder (loaded by the Trainer as usual)."""
         cb = self._stepvault_callback()
         self._stepvault_check()
+        self._stepvault_sharding = self._stepvault_sharded_mode()
+        cb.collective = self._stepvault_sharding is not None
         scratch = None
         try:
             exact = type(resume_from_checkpoint) is int
             if resume_from_checkpoint is True or exact:
                 step = "latest" if resume_from_checkpoint is True else resume_from_checkpoint
-                scratch = self._stepvault_prepare_resume(cb, step)
+                if self._stepvault_sharding is not None:
+                    scratch = self._stepvault_choose_sharded(cb, step)
+                else:
+                    scratch = self._stepvault_prepare_resume(cb, step)
                 resume_from_checkpoint = scratch
             result = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs
             )
         except BaseException:
             cb.close(quiet=True)
+            self._stepvault_release(quiet=True)
             raise
         finally:
             self._stepvault_resume = None
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
         cb.close()
+        self._stepvault_release()
         return result
+
+    def _stepvault_release(self, *, quiet: bool = False) -> None:
+        """Give DeepSpeed back its checkpoint engine (the manager is closed by then)."""
+        ds, self._stepvault_ds = self._stepvault_ds, None
+        if ds is None:
+            return
+        try:
+            ds.close()
+        except BaseException:
+            if not quiet:
+                raise
 
     def _stepvault_prepare_resume(self, cb: StepvaultCallback, step: Any) -> str:
         """Load the checkpoint (verified; the model in place, the rest kept for the hooks)
@@ -363,6 +449,193 @@ class StepvaultTrainerMixin(_TrainerBase):
             return resume[1]
         return None
 
+    # --------------------------------------------------------- sharded (DeepSpeed, FSDP2)
+    def _stepvault_choose_sharded(self, cb: StepvaultCallback, step: Any) -> str:
+        """Collective: the checkpoint a sharded job resumes from, chosen before the
+        Trainer builds its engine or shards its model (it reads ``trainer_state.json``
+        first, to place the data).
+
+        Rank 0 proposes the newest full checkpoint (or exactly ``step``); every rank
+        verifies its share of the candidate's objects and the ranks agree, so damage in
+        any shard makes every rank fall back together. The shards are read (and verified
+        again) into the engine or the sharded model once they exist
+        (:meth:`_prepare_for_training`).
+        """
+        from ..catalog import checkpoint_records
+        from ..core.info import SkippedCheckpoint
+        from ..core.planner import Source, share_choice
+        from ..distributed.agreement import agree, try_candidates
+        from ..engine.fetch import fetch_object
+        from ..errors import IntegrityError
+        from ..format import decode_value
+        from ..store import Store
+
+        t0 = time.perf_counter()
+        store = Store.open(cb.root)
+        source = Source(
+            store, cb.run, records=lambda: checkpoint_records(store, cb.run, protected=False)
+        )
+        ref: Any = "latest" if step == "latest" else int(step)
+        offer = share_choice(source, lambda: source.choose(ref))
+        if not offer.steps:
+            raise ValueError(
+                f"No checkpoint found in stepvault run {cb.run!r} of {cb.root} "
+                "(resume_from_checkpoint=ckpt.has_checkpoint starts fresh when there is none)"
+            )
+        rank, world = rank_and_world()
+
+        def attempt(candidate: int, manifest: Any) -> None:
+            damage: BaseException | None = None
+            try:  # this rank's share of the objects: the ranks read each byte once
+                for digest in sorted(manifest.objects)[rank::world]:
+                    fetch_object(store, digest, verify=True)
+            except IntegrityError as exc:
+                damage = exc
+            except FileNotFoundError as exc:
+                damage = IntegrityError(f"{cb.run}@{candidate}: object missing: {exc}")
+            agree(store, damage, f"{cb.run}@{candidate}")
+
+        chosen, manifest, skipped = try_candidates(store, cb.run, offer, attempt)
+        metadata = decode_value(manifest.metadata, lambda kind, name: None)
+        info = RestoreInfo.of_manifest(
+            manifest,
+            metadata,
+            [SkippedCheckpoint(s, r) for s, r in skipped],
+            time.perf_counter() - t0,
+        )
+        cb.last_restore = info
+        if rank == 0:
+            for sk in info.skipped:
+                warnings.warn(
+                    f"stepvault: skipped damaged checkpoint {cb.run}@{sk.step}: {sk.reason}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        trainer_state = _trainer_state_of(manifest, metadata)
+        if trainer_state is None:
+            epoch = float(info.epoch) if info.epoch is not None else 0.0
+            trainer_state = dataclasses.asdict(TrainerState(global_step=chosen, epoch=epoch))
+        scratch = tempfile.mkdtemp(prefix="stepvault-resume-")
+        with open(os.path.join(scratch, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            json.dump(trainer_state, f)
+        self._stepvault_resume = (scratch, {"sharded": chosen})
+        return scratch
+
+    # Transformers 5.x: wraps, shards (FSDP2) or builds the DeepSpeed engine, creates the
+    # optimizer and scheduler, then loads a checkpoint into them.
+    def _prepare_for_training(
+        self, max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any
+    ) -> tuple[Any, Any]:
+        mode = self._stepvault_sharding
+        tree = self._stepvault_restored(resume_from_checkpoint)
+        if mode is None:
+            return super()._prepare_for_training(
+                max_steps, train_dataloader, resume_from_checkpoint
+            )
+        # A stepvault resume loads below, once the engine / sharded model exist; an
+        # ordinary checkpoint folder is loaded by the Trainer as usual.
+        model, loader = super()._prepare_for_training(
+            max_steps, train_dataloader, None if tree is not None else resume_from_checkpoint
+        )
+        cb = self._stepvault_callback()
+        # The collective writer takes no attachments: the model's files are attached to
+        # each checkpoint once it is committed (for `stepvault export` to a model folder).
+        files = _model_files(self.model, _processing_class(self))
+        options = _with_hook(cb._options(max_steps), _AttachAfterCommit(files))
+        if mode == "deepspeed":
+            from .deepspeed import DeepSpeedCheckpointer
+
+            ds = DeepSpeedCheckpointer(
+                self.model_wrapped,
+                cb.root,
+                cb.run,
+                save=cb.save_policy,
+                keep=cb.keep_policy,
+                async_save=cb.async_save,
+                **options,
+            )
+            self._stepvault_ds = ds
+            cb.adopt(ds.manager)
+        else:
+            cb.adopt(
+                CheckpointManager(
+                    cb.root,
+                    cb.run,
+                    save=cb.save_policy,
+                    keep=cb.keep_policy,
+                    async_save=cb.async_save,
+                    **options,
+                )
+            )
+        if tree is not None:
+            self._stepvault_load_sharded(cb, tree)
+        return model, loader
+
+    def _stepvault_sharded_state(self) -> dict[str, Any]:
+        """FSDP2: what every rank saves and restores (its shards of the model and of the
+        optimizer's moments, its own RNG; the replicated values written once)."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        state: dict[str, Any] = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.lr_scheduler,
+            "rng": RNGState(),
+            "trainer_state": None,
+        }
+        if scaler is not None:
+            state["scaler"] = scaler
+        return state
+
+    def _stepvault_load_sharded(self, cb: StepvaultCallback, tree: dict[str, Any]) -> None:
+        """Collective: load exactly the step :meth:`_stepvault_choose_sharded` chose into
+        the engine (DeepSpeed's own loader, fed by the checkpoint engine) or the FSDP2
+        shards (the collective restore); keep this rank's RNG state for the Trainer's
+        ``_load_rng_state``, which it calls once the data is in place."""
+        step = int(tree["sharded"])
+        if self._stepvault_ds is not None:
+            ds = self._stepvault_ds
+            ds.resume(step, load_module_strict=True)
+            scheduler = ds.client_state.get(_HF_SCHEDULER)
+            if scheduler is not None:  # the Trainer's own scheduler (not DeepSpeed's)
+                self.lr_scheduler.load_state_dict(scheduler)  # type: ignore[union-attr]
+        else:
+            mgr = cb.open()
+            assert mgr is not None
+            state = self._stepvault_sharded_state()
+            mgr.restore(state, step)
+        tree["rng"] = RNGState().state_dict()  # this rank's, as just restored
+
+    def _stepvault_save_sharded(self, cb: StepvaultCallback) -> None:
+        """Collective: every rank writes its shards into one checkpoint (the collective
+        manager; DeepSpeed's files through its checkpoint engine)."""
+        self._stepvault_stateful_callbacks()
+        step = self.state.global_step
+        epoch = math.floor(self.state.epoch) if self.state.epoch is not None else None
+        trainer_state = json.dumps(dataclasses.asdict(self.state))
+        metadata = self._stepvault_metadata(rank_and_world()[1])
+        metrics = _step_metrics(self.state.log_history, step)
+        force = cb.save_policy is None  # the Trainer's save_strategy decided
+        if self._stepvault_ds is not None:
+            from accelerate.utils import DeepSpeedSchedulerWrapper
+
+            client: dict[str, Any] = {}
+            if not isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper):
+                client[_HF_SCHEDULER] = self.lr_scheduler.state_dict()  # type: ignore[union-attr]
+            self._stepvault_ds.save(
+                step,
+                client_state=client,
+                metrics=metrics,
+                force=force,
+                epoch=epoch,
+                metadata={**metadata, "trainer_state": trainer_state},
+            )
+        else:
+            mgr = cb.open()
+            assert mgr is not None
+            state = self._stepvault_sharded_state()
+            state["trainer_state"] = trainer_state  # one JSON value, kept in the manifest
+            mgr.save(step, state, epoch=epoch, metrics=metrics, metadata=metadata, force=force)
+
     # ------------------------------------------------------------------ load hooks
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if self._stepvault_restored(resume_from_checkpoint) is not None:
@@ -392,6 +665,9 @@ class StepvaultTrainerMixin(_TrainerBase):
         tree = self._stepvault_restored(checkpoint)
         if tree is None:
             return super()._load_rng_state(checkpoint)
+        if "sharded" in tree:  # this rank's own state, kept when the shards were loaded
+            RNGState().load_state_dict(tree["rng"])
+            return
         rng = tree.get("rng")
         if rng is None:
             return  # an import without rng_state.pth: train() warned
@@ -412,6 +688,9 @@ class StepvaultTrainerMixin(_TrainerBase):
         cb.open()
         if self.hp_search_backend is None and trial is None:
             self.store_flos()  # a collective with several processes: on every rank
+        if self._stepvault_sharding is not None:
+            self._stepvault_save_sharded(cb)
+            return
         # Every rank's RNG (the Trainer writes rng_state_{rank}.pth on each); the rest of the
         # state is replicated and written by process zero, which reports to every rank how
         # the save went (an error, or a policy's exit after a preemption save, stops all).
@@ -424,17 +703,7 @@ class StepvaultTrainerMixin(_TrainerBase):
     def _stepvault_write(self, cb: StepvaultCallback, rng_states: list[dict[str, Any]]) -> None:
         mgr = cb.open()
         assert mgr is not None  # on_rank0 runs this on process zero, which has the manager
-        # What Trainer._save_checkpoint does before writing the state: record the state of
-        # the ExportableState callbacks (early stopping...) and of TrainerControl.
-        # Annotated as a list, a dict by name once TrainerState.__post_init__ has run.
-        stateful: dict[str, Any] = self.state.stateful_callbacks  # type: ignore[assignment]
-        for obj in [*self.callback_handler.callbacks, self.control]:
-            if isinstance(obj, ExportableState):
-                name = obj.__class__.__name__
-                if isinstance(stateful.get(name), list):
-                    stateful[name].append(obj.state())
-                else:
-                    stateful[name] = obj.state()
+        self._stepvault_stateful_callbacks()
         scaler = getattr(self.accelerator, "scaler", None)
         rng: Any = RNGState()
         if len(rng_states) > 1:
@@ -448,15 +717,7 @@ class StepvaultTrainerMixin(_TrainerBase):
             # The JSON that TrainerState.save_to_json writes, as plain values.
             "trainer_state": json.loads(json.dumps(dataclasses.asdict(self.state))),
         }
-        config = getattr(self.model, "config", None)
-        metadata = {
-            "framework": "transformers",
-            "transformers_version": transformers.__version__,
-            "stepvault_version": __version__,
-            "model_class": type(self.model).__name__,
-            "model_config": json.loads(config.to_json_string()) if config is not None else None,
-            "world_size": len(rng_states),
-        }
+        metadata = self._stepvault_metadata(len(rng_states))
         step = self.state.global_step
         epoch = math.floor(self.state.epoch) if self.state.epoch is not None else None
         mgr.save(
@@ -471,6 +732,103 @@ class StepvaultTrainerMixin(_TrainerBase):
             # issue 19: config, generation config and tokenizer files, for `stepvault export`
             attachments=transformers_files(self.model, _processing_class(self)),
         )
+
+    def _stepvault_stateful_callbacks(self) -> None:
+        """What Trainer._save_checkpoint does before writing the state: record the state
+        of the ExportableState callbacks (early stopping...) and of TrainerControl."""
+        # Annotated as a list, a dict by name once TrainerState.__post_init__ has run.
+        stateful: dict[str, Any] = self.state.stateful_callbacks  # type: ignore[assignment]
+        for obj in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(obj, ExportableState):
+                name = obj.__class__.__name__
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(obj.state())
+                else:
+                    stateful[name] = obj.state()
+
+    def _stepvault_metadata(self, world_size: int) -> dict[str, Any]:
+        config = getattr(self.model, "config", None)
+        return {
+            "framework": "transformers",
+            "transformers_version": transformers.__version__,
+            "stepvault_version": __version__,
+            "model_class": _model_class(self.model).__name__,
+            "model_config": json.loads(config.to_json_string()) if config is not None else None,
+            "world_size": world_size,
+            **({"sharding": self._stepvault_sharding} if self._stepvault_sharding else {}),
+        }
+
+
+#: The client_state key of the Trainer's own LR scheduler in a DeepSpeed checkpoint (the
+#: engine saves only a scheduler DeepSpeed built from its config).
+_HF_SCHEDULER = "stepvault_hf_scheduler"
+
+
+def _model_class(model: Any) -> type:
+    """The model's own class: FSDP2's ``fully_shard`` swaps in a subclass named
+    ``FSDP<name>``; ``architectures`` and exports name the model's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if isinstance(model, FSDPModule):
+        cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+    return cls
+
+
+def _model_files(model: Any, processing_class: Any) -> dict[str, bytes]:
+    """The files attached to each checkpoint (config, generation config, tokenizer), with
+    ``architectures`` naming the model's own class (not FSDP2's ``FSDP<name>``)."""
+    files = transformers_files(model, processing_class)
+    if "config.json" in files:
+        config = json.loads(files["config.json"])
+        config["architectures"] = [_model_class(model).__name__]
+        files["config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    return files
+
+
+class _AttachAfterCommit:
+    """After-commit hook of a sharded job's manager: the coordinator attaches the model's
+    files to each committed checkpoint (``stepvault attach``'s record)."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+        self.context: Any = None
+
+    def attach(self, context: Any) -> None:
+        self.context = context
+
+    def __call__(self, info: Any) -> None:
+        ctx = self.context
+        if ctx is None or not ctx.coordinator or not self.files:
+            return
+        from ..catalog.attachments import attach_after
+
+        attach_after(ctx.store, ctx.run, info.step, self.files, note="model files (Trainer)")
+
+
+def _with_hook(options: dict[str, Any], hook: Any) -> dict[str, Any]:
+    """``options`` with ``hook`` added to ``ManagerOptions.hooks`` (the user's kept)."""
+    from ..manager import ManagerOptions
+
+    base = options.get("options") or ManagerOptions()
+    return {**options, "options": dataclasses.replace(base, hooks=(*base.hooks, hook))}
+
+
+def _trainer_state_of(manifest: Any, metadata: Any) -> dict[str, Any] | None:
+    """The ``TrainerState`` a sharded checkpoint holds, read from its manifest alone: an
+    FSDP2 checkpoint keeps it as one JSON value in its state, a DeepSpeed one in its
+    metadata (the state is DeepSpeed's files)."""
+    text: Any = None
+    if manifest.sharded:
+        entry = manifest.sharded.get("entries", {}).get("trainer_state")
+        if isinstance(entry, dict) and entry.get("type") == "value":
+            text = entry.get("value")
+    if text is None and isinstance(metadata, dict):
+        text = metadata.get("trainer_state")
+    if isinstance(text, str):
+        loaded = json.loads(text)
+        return loaded if isinstance(loaded, dict) else None
+    return None
 
 
 def _holder(cb: StepvaultCallback, model: Any, step: Any) -> dict[str, Any]:

@@ -1,0 +1,198 @@
+"""The Hugging Face Trainer with a sharded model saving through stepvault (INTEGRATIONS.md
+"Hugging Face Transformers"): DeepSpeed ZeRO-2/3 and FSDP2.
+
+Real 2-process jobs under torchrun (gloo, CPU), the Trainer itself training a tiny GPT-2
+(tests/scripts/transformers_sharded_train.py): 5 optimizer steps an epoch, checkpoints
+every 4 steps, 12 steps in all. Each job is SIGKILLed (torchrun and both ranks) once the
+checkpoint of step 8 is committed and resumed in new processes across the epoch boundary
+at 10; the final fp32 weights, every rank's optimizer partition or shard with its Adam
+moments, the LR and every rank's next RNG draw are compared bitwise with an uninterrupted
+run and with the Trainer's own DeepSpeed save/resume of the same job. A damaged object of
+the newest checkpoint makes every rank fall back to the one before. The FSDP2 checkpoint
+exports to a folder ``from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from helpers import flip_byte, object_path
+
+SCRIPT = Path(__file__).parent / "scripts" / "transformers_sharded_train.py"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["DS_ACCELERATOR"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _job(*args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc_per_node", "2", str(SCRIPT), *args]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+    )
+
+
+def _run(*args: str, timeout: float = 300) -> str:
+    proc = _job(*args)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _run_and_kill(*args: str, timeout: float = 300) -> str:
+    """Start the job, wait for ``COMMITTED``, then SIGKILL torchrun and every rank (its
+    workers run in sessions of their own), as a lost node would end them."""
+    pid_dir = tempfile.mkdtemp(prefix="hf-pids-")
+    proc = _job(*args, "--pid-dir", pid_dir)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("COMMITTED"):
+                break
+            assert time.monotonic() < deadline, "".join(lines)[-5000:]
+        else:
+            pytest.fail("the job ended before its checkpoint: " + "".join(lines)[-5000:])
+    finally:
+        ranks = [int(Path(pid_dir, n).read_text()) for n in os.listdir(pid_dir)]
+        for pid in [proc.pid, *ranks]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        for pid in ranks:  # gone before the next job takes the run's lease
+            while _alive(pid):
+                time.sleep(0.1)
+    return "".join(lines)
+
+
+def _same(a_path: Path, b_path: Path) -> None:
+    a, b = torch.load(a_path), torch.load(b_path)
+    assert a.keys() == b.keys()
+    assert len([k for k in a if k.startswith("w.")]) > 10
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ
+
+
+def _damage_rank1(store: Path, step: int, prefix: str) -> None:
+    """Flip one bit of an object only rank 1 wrote in ``gpt@step``: the first tensor
+    entry under ``prefix`` with a shard at a nonzero offset (FSDP2), or under rank 1's
+    DeepSpeed file."""
+    from stepvault.format import parse_manifest
+    from stepvault.store import Store
+
+    m = parse_manifest(Store.open(store).read_manifest("gpt", step), f"gpt@{step}")
+    for fqn, entry in m.sharded["entries"].items():
+        if entry["type"] != "tensor" or not fqn.startswith(prefix):
+            continue
+        for shard in entry["shards"]:
+            if prefix.startswith("deepspeed") or any(shard["offsets"]):
+                flip_byte(object_path(store, shard["chunks"][0][0]))
+                return
+    raise AssertionError(f"no object of rank 1 under {prefix!r} in gpt@{step}")
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_sigkill_resume_bitwise_against_the_trainers_own(tmp_path):
+    common = ["--shard", "zero2", "--max-steps", "12", "--save-every", "4"]
+    straight = tmp_path / "straight.pt"
+    _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
+
+    store = tmp_path / "store"
+    _run_and_kill(*common, "--root", str(store), "--hold-after", "8")
+    out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"))
+    assert "RESUMED 8 skipped=0" in out, out[-3000:]
+    _same(tmp_path / "sv.pt", straight)
+
+    # The Trainer's own DeepSpeed checkpoint-8 folder, killed and resumed the same way: the
+    # reference is bitwise as well
+    native = tmp_path / "native"
+    _run_and_kill(*common, "--backend", "native", "--root", str(native), "--hold-after", "8")
+    out = _run(*common, "--backend", "native", "--root", str(native), "--resume", "--final",
+               str(tmp_path / "n.pt"))  # fmt: skip
+    _same(tmp_path / "n.pt", straight)
+
+    # 2 -> 1: the Trainer's DeepSpeed checkpoint as full fp32 weights in this process
+    from stepvault.integrations.deepspeed import load_fp32_state_dict
+
+    weights = load_fp32_state_dict(store, "gpt", 12)
+    final = torch.load(straight)
+    # (lm_head.weight is DeepSpeed's own entry of the tied embedding)
+    assert {f"w.{k}" for k in weights} - {k for k in final} == {"w.lm_head.weight"}
+    assert torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
+    assert all(torch.equal(t, final[f"w.{k}"]) for k, t in weights.items() if f"w.{k}" in final)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_damaged_shard_of_rank1_falls_back_on_every_rank(tmp_path):
+    common = ["--shard", "zero3", "--max-steps", "12", "--save-every", "4"]
+    straight = tmp_path / "straight.pt"
+    _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
+
+    store = tmp_path / "store"
+    _run_and_kill(*common, "--root", str(store), "--hold-after", "8")
+    _damage_rank1(store, 8, "deepspeed.zero_pp_rank_1_mp_rank_00_optim_states.pt.tensors")
+    out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"))
+    assert "RESUMED 4 skipped=1" in out, out[-3000:]
+    _same(tmp_path / "sv.pt", straight)
+
+
+@pytest.mark.slow
+def test_fsdp2_sigkill_damaged_shard_fallback_and_from_pretrained_export(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    common = ["--shard", "fsdp2", "--max-steps", "12", "--save-every", "4"]
+    straight = tmp_path / "straight.pt"
+    _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
+
+    store = tmp_path / "store"
+    _run_and_kill(*common, "--root", str(store), "--hold-after", "8")
+    _damage_rank1(store, 8, "model.")  # a weight shard only rank 1 holds
+    out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"))
+    assert "RESUMED 4 skipped=1" in out, out[-3000:]
+    _same(tmp_path / "sv.pt", straight)
+
+    # The sharded checkpoint as a model folder (one tensor at a time), loaded by
+    # from_pretrained: the job's final weights
+    folder = tmp_path / "export"
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "stepvault"), "-r", str(store), "export",
+         "gpt@12", "-o", str(folder)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    final = torch.load(straight)
+    got = model.state_dict()
+    names = [k[2:] for k in final if k.startswith("w.")]
+    assert names and all(torch.equal(got[n], final[f"w.{n}"]) for n in names)
