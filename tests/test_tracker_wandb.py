@@ -145,6 +145,18 @@ def test_each_checkpoint_is_a_reference_artifact_version(offline, tmp_path):
     assert [(e["step"], e["tracker"]) for e in events] == [(s, "wandb") for s in (1, 2, 3, 4)]
     assert events[0]["ref"] == "wandb-artifact:///stepvault-test/stepvault-exp1:step-1"
 
+    # The dashboard's checkpoint page says where W&B references the checkpoint.
+    testclient = pytest.importorskip("starlette.testclient")
+    from stepvault.ui import create_app
+
+    client = testclient.TestClient(create_app(str(root)), base_url="http://127.0.0.1")
+    doc = client.get("/api/runs/exp1/checkpoints/2").json()
+    assert [(r["tracker"], r["name"]) for r in doc["referenced_by"]] == [
+        ("wandb", "stepvault-exp1:step-2")
+    ]
+    html = client.get("/runs/exp1/checkpoints/2").text
+    assert "Referenced by" in html and "stepvault-exp1:step-2" in html
+
     # The tracker_ref names a W&B artifact: restore refuses it, naming the way through
     # W&B, and changes nothing.
     before = {k: v.clone() for k, v in fresh["model"].state_dict().items()}
