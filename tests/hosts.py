@@ -463,11 +463,11 @@ def run_disk_full(cluster: netns.Cluster, work: Path, *, steps: int = 12,
 
     What a host writes on its own disk is its node memory: the mem tier and the buddy's
     replicas in its ``/dev/shm`` tmpfs (the hot store is shared by every host). At a random
-    moment (mid-save) one host's tmpfs is filled to the last byte. The job must stop with
-    an error on the rank whose save failed (a ``StepvaultError`` naming the step), no rank
-    may hang, every committed checkpoint must verify; once the disk is freed, the relaunch
-    resumes the newest checkpoint every rank can verify, bitwise, and ends at the
-    reference."""
+    moment (mid-save) one host's tmpfs is filled to the last byte. The job must stop with a
+    ``StepvaultError`` on every rank (the rank on the full host naming the full disk, the
+    others naming that rank's failure), no rank may hang, every committed checkpoint must
+    verify; once the disk is freed, the relaunch resumes the newest checkpoint every rank
+    can verify, bitwise, and ends at the reference."""
     from hosts_job import reference as replay
 
     rng = rng or random.Random()
@@ -504,8 +504,16 @@ def run_disk_full(cluster: netns.Cluster, work: Path, *, steps: int = 12,
         # The fill came after the last memory-only save: the job finished (its later
         # saves went to disk).
         outcome.notes.append("the job finished before a memory-only save hit the full disk")
-    elif not any(errors.get(r, {}).get("type") == "StepvaultError" for r in failed):
-        outcome.broken.append(f"no clear error on {victim.name}'s ranks {failed}: {errors}")
+    else:
+        # Every rank says why: the one whose save failed names the full disk, the others
+        # name that rank's failure (from the run's event log), not a bare gloo error.
+        full = [r for r in failed if "no space left" in errors.get(r, {}).get("message", "")]
+        if not full:
+            outcome.broken.append(f"no full-disk error on {victim.name}'s ranks: {errors}")
+        for rank in range(job.world):
+            error = errors.get(rank, {})
+            if error.get("type") != "StepvaultError":
+                outcome.broken.append(f"rank {rank} ended without a clear error: {error}")
     outcome.notes.append(
         "errors: " + "; ".join(f"rank {r} {e['type']}" for r, e in sorted(errors.items()))
     )

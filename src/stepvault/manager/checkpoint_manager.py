@@ -240,7 +240,10 @@ class CheckpointManager:
         decision = self.save_policy.decide(self._context(step, epoch))
         if decision is not None and not decision.urgent and step == self._last_save_step:
             decision = None  # already saved (or just restored) at this step
-        decision = self._p.session.scope.agree(decision)
+        try:
+            decision = self._p.session.scope.agree(decision)
+        except RuntimeError as exc:  # gloo: another rank closed its connections (it stopped)
+            raise self._p.session.peer_stopped(step, exc) from exc
         self._pending_decision = ((step, epoch), decision)
         return decision
 

@@ -125,9 +125,13 @@ class CollectiveWriter:
                     fields.setdefault("tier", "mem+hot" if disk else "mem")
                 if not disk:
                     if mem_info is None:
+                        cause = str(more.get("mem_error", "see the mem_save_failed event"))
+                        cause = cause.rstrip(".")
                         exc = StepvaultError(
                             f"step {step} was due in node memory only and its memory save "
-                            "failed on this rank (see the mem_save_failed event)"
+                            f"failed on this rank: {cause}. Earlier checkpoints are intact; "
+                            "free the node's memory tier (or lower its budget) and relaunch "
+                            "the job to resume from the newest one"
                         )
                         s.failed(step, exc)
                         raise exc

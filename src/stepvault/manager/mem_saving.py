@@ -199,7 +199,8 @@ class MemSaver:
                     error=f"{type(exc).__name__}: {exc}",
                     result="saved to disk only",
                 )
-                return None, {"tier": "hot", "mem": "failed"}
+                error = f"{type(exc).__name__}: {exc}"
+                return None, {"tier": "hot", "mem": "failed", "mem_error": error}
             seconds = time.perf_counter() - t0
             self._parent = m  # the next mem save reuses its object table
             self._keep_last(on_disk)

@@ -3,13 +3,15 @@ counters, the event log and the lineage record of this session."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..catalog import CheckpointRecord, checkpoint_records
-from ..catalog.events import log_event
+from ..catalog.events import log_event, read_events
 from ..catalog.lineage import Lineage, write_lineage
+from ..errors import StepvaultError
 from ..store import Store
 from .options import RunSettings
 from .scope import Scope
@@ -32,6 +34,7 @@ class RunSession:
     #: records read from manifests (immutable), by step: hot store and tier view
     hot_records: dict[int, CheckpointRecord] = field(default_factory=dict)
     view_records: dict[int, CheckpointRecord] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
 
     def event(self, event: str, **fields: Any) -> None:
         """Append to the run's event log (the coordinator's; never breaks training)."""
@@ -57,6 +60,31 @@ class RunSession:
         if self.metrics:
             self.metrics.failed()
         self.event("save_failed", step=step, error=f"{type(exc).__name__}: {exc}")
+
+    def peer_stopped(self, step: int, exc: BaseException) -> StepvaultError:
+        """The error of a rank whose collective failed because another rank stopped: it
+        names the other ranks' failures that this session's event log recorded (a failed
+        save, e.g. a full disk), so every rank says why, not only the one that failed."""
+        causes: list[str] = []
+        try:
+            for e in read_events(self.store, self.run):
+                if (
+                    e.get("event") in ("save_failed", "mem_save_failed")
+                    and e.get("rank", 0) != self.scope.rank
+                    and float(e.get("time", 0)) >= self.started
+                ):
+                    causes.append(
+                        f"rank {e.get('rank', 0)} on {e.get('host')}: {e['event']} at step "
+                        f"{e.get('step')}: {str(e.get('error')).rstrip('.')}"
+                    )
+        except (OSError, ValueError, TypeError):
+            pass  # the log out of reach: the generic message stands
+        why = "; ".join(causes[-3:]) if causes else "no failure of theirs is in the event log"
+        return StepvaultError(
+            f"the ranks could not agree on the save at step {step}: another rank of the job "
+            f"stopped ({why}). Earlier checkpoints are intact: fix the cause and relaunch the "
+            f"job to resume from the newest one. ({type(exc).__name__}: {exc})"
+        )
 
     def raise_or_warn(self, exc: BaseException) -> None:
         """A failed save: raise it, or with ``on_save_error="warn"`` warn and go on."""
