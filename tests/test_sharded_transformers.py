@@ -122,6 +122,19 @@ def _damage_rank1(store: Path, step: int, prefix: str) -> None:
     raise AssertionError(f"no object of rank 1 under {prefix!r} in gpt@{step}")
 
 
+def test_fsdp1_is_refused_saying_why(tmp_path):
+    # one process (no torchrun: the refusal comes before any collective)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--shard", "fsdp2", "--root", str(tmp_path),
+         "--fsdp1-refused"],
+        capture_output=True, text=True, timeout=300, env=_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "REFUSED the stepvault Trainer integration supports FSDP2 only" in done.stdout
+    assert "fresh, empty template" in done.stdout  # why, and what to use
+    assert not (tmp_path / "runs").exists()  # nothing written to the store
+
+
 @pytest.mark.slow
 def test_deepspeed_zero2_sigkill_resume_bitwise_against_the_trainers_own(tmp_path):
     common = ["--shard", "zero2", "--max-steps", "12", "--save-every", "4"]

@@ -7,7 +7,7 @@ A tiny GPT-2 (built here, no download; dropout on, so every rank's RNG matters) 
 by the Trainer itself on 40 token rows, 4 per device: 5 optimizer steps an epoch on 2
 ranks, so a run of 12 steps crosses two epoch boundaries. ``--shard zero2|zero3``:
 DeepSpeed ZeRO through ``TrainingArguments(deepspeed=...)``; ``--shard fsdp2``: FSDP2
-through ``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})``.
+through ``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``.
 
 ``--backend stepvault`` checkpoints through :class:`StepvaultTrainer` +
 :class:`StepvaultCallback` (``Every(steps=--save-every)``); ``--backend native`` through
@@ -160,6 +160,30 @@ def _final(trainer: Trainer, shard: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _fsdp1_refused(root: str) -> int:
+    """One process, FSDP1: StepvaultTrainer refuses it when train() starts (prints why)."""
+    from stepvault.errors import StepvaultError
+
+    _cpu_fsdp2()
+    args = TrainingArguments(
+        output_dir=os.path.join(root, "out"),
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        fsdp=True,
+        # FSDP1 syncs module states on a GPU only
+        fsdp_config={"version": 1, "sync_module_states": False},
+    )
+    ckpt = StepvaultCallback(root, run="gpt")
+    trainer = StepvaultTrainer(model=_model(), args=args, train_dataset=Tokens(), callbacks=[ckpt])
+    try:
+        trainer.train()
+    except StepvaultError as exc:
+        print(f"REFUSED {exc}", flush=True)
+        return 0
+    return 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shard", choices=["zero2", "zero3", "fsdp2"], required=True)
@@ -171,7 +195,10 @@ def main() -> int:
     p.add_argument("--hold-after", type=int, default=0)
     p.add_argument("--pid-dir", default="")
     p.add_argument("--final", default="")
+    p.add_argument("--fsdp1-refused", action="store_true", help="one process, FSDP1")
     args = p.parse_args()
+    if args.fsdp1_refused:
+        return _fsdp1_refused(args.root)
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -203,8 +230,8 @@ def main() -> int:
         }
     else:
         _cpu_fsdp2()
-        options["fsdp"] = "full_shard"
-        options["fsdp_config"] = {"fsdp_version": 2, "reshard_after_forward": True}
+        options["fsdp"] = True
+        options["fsdp_config"] = {"version": 2, "reshard_after_forward": True}
     training_args = TrainingArguments(**options)
     callbacks: list = []
     ckpt = None

@@ -292,7 +292,7 @@ class StepvaultTrainerMixin(_TrainerBase):
         if getattr(plugin, "fsdp_version", 1) != 2:
             raise StepvaultError(
                 "the stepvault Trainer integration supports FSDP2 only "
-                '(fsdp_config={"fsdp_version": 2}): FSDP1\'s flat parameters are not the '
+                '(fsdp_config={"version": 2}, the default): FSDP1\'s flat parameters are not the '
                 "model's, its ShardedTensor optimizer state does not load back through "
                 "torch.distributed.checkpoint in torch 2.13, and the Trainer's own FSDP1 "
                 "sharded resume loads the optimizer into a fresh, empty template; see "
