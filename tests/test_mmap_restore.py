@@ -238,3 +238,115 @@ def test_manager_restore_passes_assign_through(tmp_path):
         info = mgr.restore({"model": model}, assign=True)
     assert info.step == 1 and model.a.weight is not old
     assert torch.equal(model.a.weight, trained.a.weight)
+
+
+def _segments_store(root) -> Store:
+    # One 16 MiB object per large tensor, small tensors bundled 4 MiB at a time, raw.
+    settings = {"chunk_size": 16 << 20, "small_tensor": 1 << 20, "bundle_size": 4 << 20}
+    return Store.open(root, create=True, defaults={**settings, "codec": "raw"})
+
+
+def _segment_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        # 13 segments of 1 MiB, the last one short: a read shares its checks between threads
+        "big": torch.randn(3_276_801, generator=g),
+        # one float32 bundle: 700 kB tensors at offsets that are not segment multiples, so
+        # "b1" spans the boundary between segments 0 and 1
+        "b0": torch.randn(175_000, generator=g),
+        "b1": torch.randn(175_000, generator=g),
+        "b2": torch.randn(175_000, generator=g),
+        # other dtypes (bundled per dtype): views of their stored bytes
+        "i8": torch.randint(-128, 127, (700_000,), dtype=torch.int8, generator=g),
+        "h": torch.randn(350_000, generator=g).to(torch.bfloat16),
+    }
+
+
+def _flip_raw(root, digest: str, raw_at: int) -> None:
+    """Flip one bit of an object's raw (payload) byte ``raw_at``."""
+    from stepvault.format.objects import parse_header
+
+    path = object_path(root, digest)
+    with open(path, "rb") as f:
+        at = parse_header(f.read(1 << 16)).payload_offset + raw_at
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("segment", [0, 6, 12])
+def test_a_large_one_tensor_read_finds_damage_in_any_segment_it_checks(tmp_path, segment):
+    """A 13-segment tensor read with ``mmap=True``: its segment checks are shared between
+    the calling thread and pool threads; damage in the first, a middle or the last
+    (short) segment is found and named, whichever thread checked it."""
+    _segments_store(tmp_path)
+    state = _segment_state()
+    stepvault.save(tmp_path, state, run="r", step=1)
+    ckpt = stepvault.open(tmp_path).checkpoint("r", 1)
+    assert torch.equal(ckpt.tensor("big", mmap=True), state["big"])
+    (digest, off, length), *more = ckpt.manifest.tensors["big"].chunks
+    assert not more and off == 0 and -(-length // (1 << 20)) == 13
+    _flip_raw(tmp_path, digest, min(segment * (1 << 20) + 12345, length - 1))
+    with pytest.raises(CorruptObjectError, match=f"checksum of segment {segment} differs"):
+        stepvault.open(tmp_path).checkpoint("r", 1).tensor("big", mmap=True)
+    with pytest.raises(IntegrityError):
+        stepvault.open(tmp_path).checkpoint("r", 1).load(mmap=True)
+
+
+def test_one_tensor_reads_of_a_bundle_check_the_segments_they_span(tmp_path):
+    """Tensors in one bundle, one spanning a segment boundary, and bundles of other
+    dtypes: each reads bitwise; damage in segment 1 refuses exactly the tensors whose
+    bytes lie in it (the one spanning the boundary included) and no other."""
+    _segments_store(tmp_path)
+    state = _segment_state()
+    stepvault.save(tmp_path, state, run="r", step=1)
+    manifest = stepvault.open(tmp_path).manifest("r", 1)
+    chunks = {k: manifest.tensors[k].chunks[0] for k in ("b0", "b1", "b2")}
+    assert len({d for d, _, _ in chunks.values()}) == 1  # one bundle object
+    _, off1, len1 = chunks["b1"]
+    assert off1 < (1 << 20) < off1 + len1  # "b1" spans segments 0 and 1
+    ckpt = stepvault.open(tmp_path).checkpoint("r", 1)
+    for name in state:
+        got = ckpt.tensor(name, mmap=True)
+        assert got.dtype == state[name].dtype and torch.equal(got, state[name])
+    digest = chunks["b1"][0]
+    _flip_raw(tmp_path, digest, (1 << 20) + 10)  # in segment 1, inside "b1"
+    in_segment_1 = {
+        name for name, (_, off, n) in chunks.items() if off < (2 << 20) and off + n > (1 << 20)
+    }
+    assert "b1" in in_segment_1 and "b0" not in in_segment_1
+    for name in chunks:
+        ckpt = stepvault.open(tmp_path).checkpoint("r", 1)
+        if name in in_segment_1:
+            with pytest.raises(CorruptObjectError, match="checksum of segment 1 differs"):
+                ckpt.tensor(name, mmap=True)
+        else:
+            assert torch.equal(ckpt.tensor(name, mmap=True), state[name])
+
+
+def test_two_tensors_sharing_one_object_read_apart_and_are_refused_together(tmp_path):
+    """Equal tensors are stored once (one object, two manifest entries): read one at a
+    time with ``mmap=True`` from the same checkpoint they never alias, and damage in that
+    object refuses both reads and a restore, which then changes no live tensor."""
+    _segments_store(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(2_500_000, generator=g)  # 10 MB: 10 segments, one object
+    state = {"a": w.clone(), "b": w.clone()}
+    stepvault.save(tmp_path, state, run="r", step=1)
+    manifest = stepvault.open(tmp_path).manifest("r", 1)
+    assert manifest.tensors["a"].chunks == manifest.tensors["b"].chunks
+    ckpt = stepvault.open(tmp_path).checkpoint("r", 1)
+    a, b = ckpt.tensor("a", mmap=True), ckpt.tensor("b", mmap=True)
+    assert torch.equal(a, w) and torch.equal(b, w)
+    a[0] += 1.0  # writing one never shows in the other
+    assert torch.equal(b, w)
+    _flip_raw(tmp_path, manifest.tensors["a"].chunks[0][0], 9 * (1 << 20) + 7)
+    for name in ("a", "b"):
+        with pytest.raises(CorruptObjectError, match="checksum of segment 9 differs"):
+            stepvault.open(tmp_path).checkpoint("r", 1).tensor(name, mmap=True)
+    live = {"a": torch.zeros_like(w), "b": torch.zeros_like(w)}
+    with pytest.raises(IntegrityError):
+        stepvault.restore(tmp_path, live, run="r", step=1)
+    assert not live["a"].any() and not live["b"].any()

@@ -32,14 +32,13 @@ from ..store import Store
 from .copying import parallel_copy
 from .fetch import (
     DEFAULT_READ_AHEAD,
-    SEGMENTS_PER_THREAD,
     PartialObject,
     VerifyMode,
+    check_segment_range,
     check_verify_mode,
     fetch_object,
     fetch_pipelined,
     is_signed,
-    segment_pool,
 )
 from .fresh_memory import FreshMemory
 from .writer import default_workers
@@ -188,28 +187,11 @@ class CheckpointReader:
     def _check_piece(
         self, digest: str, partial: PartialObject, off: int, length: int
     ) -> memoryview:
-        from ..format.hashing import check_segments
-
         sums = partial.header.sums
         assert sums is not None
         wanted = [i for i in sums.segments(off, length) if i not in partial.verified]
         if wanted:
-            first, last = wanted[0], wanted[-1]
-            # Many segments (a large tensor): spread over the cores (xxhash releases the
-            # GIL); a few: here, a pool hop costs more than it saves.
-            groups = min(self.workers, (last - first + 1) // SEGMENTS_PER_THREAD)
-            if groups < 2:
-                bad = check_segments(partial.raw, sums.hex, sums.segment, first, last)
-            else:
-                step = -(-(last - first + 1) // groups)
-                spans = [(a, min(last, a + step - 1)) for a in range(first, last + 1, step)]
-                found = segment_pool().map(
-                    lambda span: check_segments(
-                        partial.raw, sums.hex, sums.segment, span[0], span[1]
-                    ),
-                    spans,
-                )
-                bad = next((b for b in found if b is not None), None)
+            bad = check_segment_range(partial.raw, sums, wanted[0], wanted[-1], self.workers)
             if bad is not None:
                 err = CorruptObjectError(
                     f"object {digest[:16]}… content does not match its hash (the xxh3-128 "
