@@ -11,6 +11,7 @@ the restores came from, minutes.
     python scripts/campaign_hosts.py --minutes 30              # every scenario, in turn
     python scripts/campaign_hosts.py --trials 40 --scenarios kill_save,partition
     python scripts/campaign_hosts.py --trials 4 --no-table     # a sample, nothing written
+    python scripts/campaign_hosts.py --minutes 120 --parallel 4  # 4 clusters (8+ cores)
 
 A broken resume is a restore or a final state that differs from the uninterrupted replay,
 ranks that restored different steps, a restore older than the newest checkpoint on disk,
@@ -22,11 +23,13 @@ named) under ``--work``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import random
 import shutil
 import sys
+import threading
 import time
 import types
 from collections import Counter
@@ -61,6 +64,8 @@ def main() -> int:
     p.add_argument("--hosts", type=int, default=2, help="2-4 training hosts")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--parallel", type=int, default=1,
+                   help="clusters running trials at once (one per 2 spare cores)")  # fmt: skip
     p.add_argument("--work", default="/tmp/stepvault-campaign-hosts")
     p.add_argument("--table", default=str(REPO / "RELIABILITY.md"))
     p.add_argument("--no-table", action="store_true", help="print the counts only")
@@ -85,48 +90,66 @@ def main() -> int:
     t0 = time.monotonic()
     started = datetime.datetime.now(datetime.timezone.utc)
     made = max([args.hosts, *(OWN_HOSTS.get(s, 0) for s in scenarios)])
-    with netns.Cluster(made, s3="s3_slow" in scenarios) as cluster:
-        # the scenarios' hosts: the first --hosts ones (stale_writer: its own number)
-        view = types.SimpleNamespace(hosts=cluster.hosts[: args.hosts], s3=cluster.s3)
-        s3 = hosts.S3Host(cluster) if "s3_slow" in scenarios else None
-        try:
-            n = 0
-            while True:
-                if args.trials is not None and n >= args.trials:
-                    break
-                if args.minutes is not None and time.monotonic() - t0 > 60 * args.minutes:
-                    break
-                scenario = scenarios[n % len(scenarios)]
-                trial_seed = rng.randrange(1 << 30)
-                folder = work / f"trial-{n:05d}-{scenario}"
-                began = time.monotonic()
-                n_hosts = OWN_HOSTS.get(scenario, args.hosts)
-                on = cluster if n_hosts == made else view
-                outcome = hosts.run_scenario(
-                    on, scenario, folder, steps=args.steps, rng=random.Random(trial_seed),
-                    s3=s3,
-                )  # fmt: skip
-                c = counts[scenario]
-                c["hosts"] = n_hosts
-                c["trials"] += 1
-                c["broken"] += bool(outcome.broken)
-                c["corrupt"] += bool(outcome.corrupt)
-                c["seconds"] += round(time.monotonic() - began)
-                for _, tier in outcome.restored:
-                    c[f"from:{tier or 'fresh'}"] += 1
-                trials.append({"n": n, "scenario": scenario, "seed": trial_seed,
-                               "ok": outcome.ok, "broken": outcome.broken,
-                               "corrupt": outcome.corrupt, "notes": outcome.notes,
-                               "restored": outcome.restored})  # fmt: skip
-                status = "ok" if outcome.ok else f"FAILED (kept in {folder})"
-                print(f"[{n}] {scenario} seed {trial_seed}: {status} {outcome.notes} "
-                      f"restored {outcome.restored}", flush=True)  # fmt: skip
-                if outcome.ok:
-                    shutil.rmtree(folder, ignore_errors=True)
-                n += 1
-        finally:
-            if s3 is not None:
-                s3.stop()
+    lock = threading.Lock()
+    next_trial = [0]
+    base = rng.randint(40, 250 - args.parallel)  # each lane its own subnet
+
+    def take() -> int | None:
+        """The next trial's number, or None once the trials or the minutes are used up."""
+        with lock:
+            n = next_trial[0]
+            if args.trials is not None and n >= args.trials:
+                return None
+            if args.minutes is not None and time.monotonic() - t0 > 60 * args.minutes:
+                return None
+            next_trial[0] += 1
+            return n
+
+    def lane(index: int) -> None:
+        """One cluster of hosts running trials one after another."""
+        with netns.Cluster(made, s3="s3_slow" in scenarios, net=base + index) as cluster:
+            # the scenarios' hosts: the first --hosts ones (stale_writer: its own number)
+            view = types.SimpleNamespace(hosts=cluster.hosts[: args.hosts], s3=cluster.s3)
+            s3 = hosts.S3Host(cluster) if "s3_slow" in scenarios else None
+            try:
+                while (n := take()) is not None:
+                    trial(n, cluster, view, s3)
+            finally:
+                if s3 is not None:
+                    s3.stop()
+
+    def trial(n: int, cluster, view, s3) -> None:
+        scenario = scenarios[n % len(scenarios)]
+        trial_seed = random.Random(seed * 1_000_003 + n).randrange(1 << 30)
+        folder = work / f"trial-{n:05d}-{scenario}"
+        began = time.monotonic()
+        n_hosts = OWN_HOSTS.get(scenario, args.hosts)
+        on = cluster if n_hosts == made else view
+        outcome = hosts.run_scenario(
+            on, scenario, folder, steps=args.steps, rng=random.Random(trial_seed), s3=s3,
+        )  # fmt: skip
+        with lock:
+            c = counts[scenario]
+            c["hosts"] = n_hosts
+            c["trials"] += 1
+            c["broken"] += bool(outcome.broken)
+            c["corrupt"] += bool(outcome.corrupt)
+            c["seconds"] += round(time.monotonic() - began)
+            for _, tier in outcome.restored:
+                c[f"from:{tier or 'fresh'}"] += 1
+            trials.append({"n": n, "scenario": scenario, "seed": trial_seed,
+                           "ok": outcome.ok, "broken": outcome.broken,
+                           "corrupt": outcome.corrupt, "notes": outcome.notes,
+                           "restored": outcome.restored})  # fmt: skip
+            status = "ok" if outcome.ok else f"FAILED (kept in {folder})"
+            print(f"[{n}] {scenario} seed {trial_seed}: {status} {outcome.notes} "
+                  f"restored {outcome.restored}", flush=True)  # fmt: skip
+        if outcome.ok:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        for done in [pool.submit(lane, i) for i in range(args.parallel)]:
+            done.result()
     minutes = (time.monotonic() - t0) / 60
     rows = []
     for scenario, c in counts.items():
