@@ -35,6 +35,8 @@ Runs, each in its own process (one crash does not lose the others' sections):
                             stepvault's sharded saves vs Lightning's own
 - ``bench_deepspeed.py``    issue 30: a 2-rank DeepSpeed ZeRO-2 job, stall, durable save
                             and bytes of stepvault's saves vs DeepSpeed's save_checkpoint
+- ``bench_trainer_sharded.py`` issue 30: a 2-rank HF Trainer job with ZeRO-2 / FSDP2,
+                            stall, job time and bytes of StepvaultTrainer vs the Trainer's own
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -147,6 +149,8 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
         ["--width", "768", "--layers", "6", "--saves", "6"],
         ["--width", "128", "--layers", "2", "--saves", "2", "--every", "2"],
     ),
+    # issue 30: the HF Trainer with ZeRO-2 / FSDP2, StepvaultTrainer vs the Trainer's own
+    "trainer_sharded": ([], ["--embd", "64", "--layers", "2", "--saves", "2", "--every", "2"]),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core", "pipeline")
 #: modules of the ``[bench]`` extra that the full core run needs (real weights, zipnn)
