@@ -47,7 +47,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from stepvault import Every, KeepLast
+from stepvault import Every, KeepLast, OnSignal
 from stepvault.integrations.transformers import StepvaultCallback, StepvaultTrainer
 
 
@@ -78,6 +78,18 @@ class Hold(TrainerCallback):
         if dist.get_rank() == 0:
             print(f"COMMITTED {self.step}", flush=True)
         time.sleep(600)
+
+
+class Sleep(TrainerCallback):
+    """Slow steps, for a signal to land mid-run."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if dist.get_rank() == 0:
+            print(f"STEP {state.global_step}", flush=True)
+        time.sleep(self.seconds)
 
 
 def _cpu_fsdp2() -> None:
@@ -196,6 +208,8 @@ def main() -> int:
     p.add_argument("--pid-dir", default="")
     p.add_argument("--final", default="")
     p.add_argument("--fsdp1-refused", action="store_true", help="one process, FSDP1")
+    p.add_argument("--on-signal", action="store_true", help="the policy also saves on SIGTERM")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
     args = p.parse_args()
     if args.fsdp1_refused:
         return _fsdp1_refused(args.root)
@@ -236,10 +250,13 @@ def main() -> int:
     callbacks: list = []
     ckpt = None
     if args.backend == "stepvault":
-        ckpt = StepvaultCallback(
-            args.root, run="gpt", save=Every(steps=args.save_every), keep=KeepLast(3)
-        )
+        policy = Every(steps=args.save_every)
+        if args.on_signal:
+            policy = policy | OnSignal()  # then every rank exits with the policy's code
+        ckpt = StepvaultCallback(args.root, run="gpt", save=policy, keep=KeepLast(3))
         callbacks.append(ckpt)
+    if args.step_sleep:
+        callbacks.append(Sleep(args.step_sleep))
     if args.hold_after:
         callbacks.append(Hold(args.hold_after, ckpt, args.root))
     cls = StepvaultTrainer if args.backend == "stepvault" else Trainer
