@@ -484,7 +484,9 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
                         f"{c[k]:.3f}",
                         f"{c[k] / raw:.2f}x",
                         f"{c[k] / c[st]:.2f}x",
-                        "<= 1.2x raw, <= 1.0x safetensors" if k == "fast" else "",
+                        f"{verdict(c[k] / raw, 1.2, True)}, {verdict(c[k] / c[st], 1.0, True)}"
+                        if k == "fast"
+                        else "",
                     ]
                     for k in c
                 ],
