@@ -55,8 +55,8 @@ LIGHTNING_KEY = "lightning"
 
 #: Lightning strategies that shard the model and whose save/load the callback takes over:
 #: every rank writes its shards through a collective manager (INTEGRATIONS.md, "Sharded
-#: strategies").
-SHARDED_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy")
+#: strategies"); DeepSpeed's through its engine (_lightning_deepspeed.py).
+SHARDED_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
 
 
 def _parse(path: Any) -> int | Literal["latest", "best"] | None:
@@ -196,7 +196,9 @@ class CheckpointMixin:
     ``ModelParallelStrategy`` (FSDP2/DTensor) and ``FSDPStrategy`` (with a ``device_mesh``)
     every rank holds a collective manager and the callback takes over the strategy's own
     ``save_checkpoint``/``load_checkpoint`` of ``stepvault:`` paths: every rank writes and
-    restores its own shards (INTEGRATIONS.md, "Sharded strategies"). DeepSpeed and other
+    restores its own shards (INTEGRATIONS.md, "Sharded strategies"). Under
+    ``DeepSpeedStrategy`` (ZeRO 1/2/3) those methods run DeepSpeed's own engine save and
+    load through :class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer`. Other
     strategies that write their own files are refused.
     """
 
@@ -245,6 +247,7 @@ class CheckpointMixin:
         #: a sharding strategy (SHARDED_STRATEGIES): a collective manager on every rank
         self._sharded = False
         self._untake: Any = None  # undoes _take_over
+        self._deepspeed: Any = None  # a LightningDeepSpeed under DeepSpeedStrategy
 
     # ------------------------------------------------------------------ Lightning paths
     @property
@@ -350,19 +353,13 @@ class CheckpointMixin:
         base = self._pl.strategies.Strategy
         if type(strategy).save_checkpoint is not base.save_checkpoint:
             name = type(strategy).__name__
-            why = (
-                "DeepSpeed writes its own ZeRO partition files through its engine, which "
-                "StepvaultCheckpoint does not drive yet (a DeepSpeed loop of your own saves "
-                "through stepvault.integrations.deepspeed.DeepSpeedCheckpointer)"
-                if "DeepSpeed" in name
-                else "it shards the model or writes its own checkpoint files, and a "
-                "checkpoint written from rank 0 alone would miss the other ranks' shards"
-            )
             raise StepvaultError(
-                f"StepvaultCheckpoint does not support {name} with several processes: {why}. "
+                f"StepvaultCheckpoint does not support {name} with several processes: it "
+                "shards the model or writes its own checkpoint files, and a checkpoint "
+                "written from rank 0 alone would miss the other ranks' shards. "
                 'Use strategy="ddp" (or "ddp_spawn"), or for a sharded model '
-                "ModelParallelStrategy (FSDP2/DTensor) or FSDPStrategy (see INTEGRATIONS.md, "
-                '"Sharded strategies")'
+                "ModelParallelStrategy (FSDP2/DTensor), FSDPStrategy or DeepSpeedStrategy "
+                '(see INTEGRATIONS.md, "Sharded strategies")'
             )
 
     def _take_over(self, strategy: Any) -> Any:
@@ -375,6 +372,13 @@ class CheckpointMixin:
         loads them back in place. Other paths go to the strategy's own methods.
         """
         own_save, own_load = strategy.save_checkpoint, strategy.load_checkpoint
+        store, load = self._store_sharded, self._load_sharded
+        from ._lightning_deepspeed import LightningDeepSpeed, is_deepspeed_strategy
+
+        if is_deepspeed_strategy(self._pl, strategy):
+            # DeepSpeed's engine writes and reads its own partitions: through it.
+            self._deepspeed = LightningDeepSpeed(self, strategy)
+            store, load = self._deepspeed.save, self._deepspeed.load
 
         def save_checkpoint(
             checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
@@ -385,13 +389,13 @@ class CheckpointMixin:
                 return
             if not isinstance(step, int):
                 raise ValueError(f"save to {PREFIX}<step>, not {filepath!r}")
-            self._store_sharded(checkpoint, step, strategy)
+            store(checkpoint, step, strategy)
 
         def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> Any:
             step = _parse(checkpoint_path)
             if step is None:
                 return own_load(checkpoint_path, weights_only=weights_only)
-            return self._load_sharded(step, strategy)
+            return load(step, strategy)
 
         # Instance attributes shadow the class's methods; deleting them restores those.
         strategy.save_checkpoint = save_checkpoint
@@ -400,6 +404,9 @@ class CheckpointMixin:
         def undo() -> None:
             for name in ("save_checkpoint", "load_checkpoint"):
                 strategy.__dict__.pop(name, None)
+            part, self._deepspeed = self._deepspeed, None
+            if part is not None:
+                part.release()
 
         return undo
 
@@ -411,6 +418,8 @@ class CheckpointMixin:
             total = trainer.estimated_stepping_batches  # lets LastStep() fire (epoch-based runs)
             if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
                 mgr.total_steps = int(total)
+        if self._deepspeed is not None and mgr is not None:
+            self._deepspeed.attach()  # a fresh start: the engine exists now
         # After a resume has loaded the optimizers: the first due save only copies.
         self._prepare_staging(mgr, _bulk(trainer, pl_module))
         if self._sharded:

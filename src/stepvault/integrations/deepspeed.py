@@ -162,10 +162,24 @@ class DeepSpeedCheckpointer:
         rng: bool = True,
         **manager: Any,
     ) -> None:
+        self._install(engine, CheckpointManager(root, run, save=save, keep=keep, **manager), rng)
+
+    @classmethod
+    def with_manager(
+        cls, engine: Any, manager: CheckpointManager, *, rng: bool = True
+    ) -> DeepSpeedCheckpointer:
+        """A checkpointer on a collective ``manager`` made by the caller (a framework
+        integration that opens its manager before DeepSpeed's engine exists); its
+        policies and options are the manager's, and :meth:`close` closes it too."""
+        self = cls.__new__(cls)
+        self._install(engine, manager, rng)
+        return self
+
+    def _install(self, engine: Any, manager: CheckpointManager, rng: bool) -> None:
         register_deepspeed_types()
         self.engine = engine
         self.rng = RNGState() if rng else None
-        self.manager = CheckpointManager(root, run, save=save, keep=keep, **manager)
+        self.manager = manager
         self.run = self.manager.run
         #: DeepSpeed writes 'latest' and zero_to_fp32.py into its save directory and globs
         #: the model-state names of a load there: a scratch folder of this process
