@@ -2,7 +2,8 @@
 
 Runs the scenarios of ``tests/hosts.py`` (a host killed during saves and replication or
 during a restore, a host's link partitioned, the S3 host behind a slow, lossy link, a
-stale writer's commit after a takeover by another job, one host's disk full) with
+stale writer's commit after a takeover by another job, frozen or partitioned from the
+S3 host, one host's disk full) with
 random timing, for a number of trials or minutes, on hosts made once by
 ``tests/netns.py`` (root, Linux namespaces), and appends one row per scenario to the
 campaign table of RELIABILITY.md: trials, broken resumes, undetected corruptions, where
@@ -41,9 +42,12 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "src")]
 import hosts  # noqa: E402
 import netns  # noqa: E402
 
-SCENARIOS = ["kill_save", "kill_restore", "partition", "s3_slow", "stale_writer", "disk_full"]
+SCENARIOS = [
+    "kill_save", "kill_restore", "partition", "s3_slow", "stale_writer", "disk_full",
+    "stale_partition",
+]  # fmt: skip
 #: scenarios that run on their own number of hosts (two jobs of 2 hosts)
-OWN_HOSTS = {"stale_writer": 4}
+OWN_HOSTS = {"stale_writer": 4, "stale_partition": 4}
 END = "<!-- campaign_hosts:end -->"  # right after the campaign table's last row
 
 
@@ -107,10 +111,11 @@ def main() -> int:
 
     def lane(index: int) -> None:
         """One cluster of hosts running trials one after another."""
-        with netns.Cluster(made, s3="s3_slow" in scenarios, net=base + index) as cluster:
+        need_s3 = bool({"s3_slow", "stale_partition"} & set(scenarios))
+        with netns.Cluster(made, s3=need_s3, net=base + index) as cluster:
             # the scenarios' hosts: the first --hosts ones (stale_writer: its own number)
             view = types.SimpleNamespace(hosts=cluster.hosts[: args.hosts], s3=cluster.s3)
-            s3 = hosts.S3Host(cluster) if "s3_slow" in scenarios else None
+            s3 = hosts.S3Host(cluster) if cluster.s3 is not None else None
             try:
                 while (n := take()) is not None:
                     trial(n, cluster, view, s3)

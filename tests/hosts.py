@@ -296,9 +296,18 @@ def check_store(
         outcome.corrupt.append(f"verify: {report}")
 
 
-def committed_by(root: str) -> dict[int, object]:
+def committed_by(
+    root: str, via: tuple[netns.Host, dict[str, str]] | None = None
+) -> dict[int, object]:
     """Which launch committed each checkpoint of the hot store (the ``launch`` of its
-    metadata; ``hosts_job.py`` saves it with every step)."""
+    metadata; ``hosts_job.py`` saves it with every step; ``via``: read from that host)."""
+    if via is not None:
+        code = (
+            "import json\nfrom hosts import committed_by\n"
+            f"print(json.dumps(committed_by({root!r})))"
+        )
+        got = in_host(via[0], code, via[1])
+        return {int(k): v for k, v in got.items()}  # type: ignore[attr-defined]
     from stepvault.format import decode_value, parse_manifest
     from stepvault.store import Store
 
@@ -342,11 +351,13 @@ def _finish(
     ref: list[str],
     launch: int,
     hosts: list[netns.Host] | None = None,
+    via: tuple[netns.Host, dict[str, str]] | None = None,
 ) -> None:
     """Relaunch the job (``launch``) on ``hosts``: it must restore the newest checkpoint
-    bitwise and end at the reference."""
-    disk_before = newest_on_disk(root)
-    job = Job(cluster, root, work, steps=steps, launch=launch, hosts=hosts)
+    bitwise and end at the reference (``via``: the store is reached from that host)."""
+    disk_before = newest_on_disk(root, via)
+    job = Job(cluster, root, work, steps=steps, launch=launch, hosts=hosts,
+              env=via[1] if via else None)  # fmt: skip
     outcome.launches += 1
     ended = job.wait(timeout=240)
     job.stop()
@@ -362,8 +373,13 @@ def _finish(
 
 def run_stale_writer(cluster: netns.Cluster, work: Path, *, steps: int = 12,
                      rng: random.Random | None = None, sleep: float = 0.1,
-                     stale_after: float = 3.0) -> Outcome:  # fmt: skip
+                     stale_after: float = 3.0, s3: S3Host | None = None) -> Outcome:  # fmt: skip
     """A stale writer's commit refused across hosts (the fenced commit).
+
+    With ``s3`` the store is on the S3 host and the coordinator's host is *partitioned*
+    (``ip link set eth0 down``: it reaches neither the store nor its peers, so its lease
+    renewals fail) instead of frozen, then healed: the S3 fence (a conditional renewal
+    right before the manifest PUT) must refuse it.
 
     Job A trains on the first half of the hosts with a short lease (``stale_after``). At a
     random moment (mid-save) the host of A's rank 0, the coordinator that holds the run's
@@ -387,12 +403,18 @@ def run_stale_writer(cluster: netns.Cluster, work: Path, *, steps: int = 12,
         host.kill(wipe=True)
     half = len(cluster.hosts) // 2
     a_hosts, b_hosts = cluster.hosts[:half], cluster.hosts[half : 2 * half]
+    via, env = None, None
+    if s3 is not None:
+        root = f"s3://ckpt/{work.name}-{rng.randrange(1 << 30):x}"
+        s3.conditions()  # no faults but the partition
+        env = s3.env()
+        via = (b_hosts[0], env)
     ref = replay(steps)
-    outcome = Outcome("stale_writer")
+    outcome = Outcome("stale_partition" if s3 else "stale_writer")
     # A's collectives wait out the freeze (the peers of a stopped host block, they do
     # not time out): the gloo timeout is longer than the whole scenario.
     a = Job(cluster, root, work, steps=steps, launch=0, sleep=sleep, hosts=a_hosts,
-            stale_after=stale_after, timeout=300)  # fmt: skip
+            stale_after=stale_after, timeout=300, env=env)  # fmt: skip
     outcome.launches += 1
     at = rng.randint(3, steps - 6)
     where = _rank_hosts(work, 0, a.world)
@@ -402,12 +424,17 @@ def run_stale_writer(cluster: netns.Cluster, work: Path, *, steps: int = 12,
         outcome.broken.append(f"job A did not reach step {at}: {a.progress()}")
         return outcome
     time.sleep(rng.uniform(0, 2 * sleep))  # mid-save
-    frozen.freeze()
-    outcome.notes.append(f"froze {frozen.name} (rank 0 of A) after step {at}")
+    if s3 is None:
+        frozen.freeze()
+        outcome.notes.append(f"froze {frozen.name} (rank 0 of A) after step {at}")
+    else:
+        frozen.partition()
+        outcome.notes.append(f"partitioned {frozen.name} (rank 0 of A) after step {at}")
     try:
         time.sleep(stale_after + 0.5)  # A's lease is stale from here on
-        disk_before = newest_on_disk(root)
-        b = Job(cluster, root, work, steps=steps, launch=1, sleep=sleep, hosts=b_hosts)
+        disk_before = newest_on_disk(root, via)
+        b = Job(cluster, root, work, steps=steps, launch=1, sleep=sleep, hosts=b_hosts,
+                env=env)  # fmt: skip
         outcome.launches += 1
         got = _restored(work, 1, 0, 60)
         if got is not None:
@@ -419,7 +446,10 @@ def run_stale_writer(cluster: netns.Cluster, work: Path, *, steps: int = 12,
         else:  # A froze inside its commit, holding the lease's lock: B waits for it
             outcome.notes.append("B waited for the lease lock held by A's frozen host")
     finally:
-        frozen.thaw()
+        if s3 is None:
+            frozen.thaw()
+        else:
+            frozen.heal()
     got = got or _restored(work, 1, 0, 120)
     if got is None:
         a.stop()
@@ -449,11 +479,11 @@ def run_stale_writer(cluster: netns.Cluster, work: Path, *, steps: int = 12,
                 outcome.broken.append(f"job B rank {rank}: final state differs")
     # Nothing A saved after the takeover is visible: every checkpoint past the step B
     # resumed from is B's.
-    for step, launch in sorted(committed_by(root).items()):
+    for step, launch in sorted(committed_by(root, via).items()):
         if step > got["step"] and launch != 1:
             outcome.broken.append(f"step {step} committed by launch {launch} after the takeover")
-    check_store(outcome, root)
-    _finish(outcome, cluster, root, work, steps, ref, 2, hosts=a_hosts)
+    check_store(outcome, root, via)
+    _finish(outcome, cluster, root, work, steps, ref, 2, hosts=a_hosts, via=via)
     return outcome
 
 
@@ -536,11 +566,16 @@ def run_scenario(cluster: netns.Cluster, scenario: str, work: Path, *, steps: in
     for 0.5-4 s mid-training, then heals), ``s3_slow`` (the hot store on the S3 host
     behind a proxy adding latency and connection resets and a ``tbf`` bandwidth cap, and a
     host killed mid-run; needs ``s3``), ``stale_writer`` (:func:`run_stale_writer`, 4
-    hosts), ``disk_full`` (:func:`run_disk_full`), ``none`` (no fault: the control)."""
+    hosts), ``stale_partition`` (the same with the store on the S3 host and a partition
+    instead of a freeze; needs ``s3``), ``disk_full`` (:func:`run_disk_full`), ``none``
+    (no fault: the control)."""
     from hosts_job import reference as replay
 
-    if scenario == "stale_writer":
-        return run_stale_writer(cluster, work, steps=steps, rng=rng, sleep=sleep)
+    if scenario in ("stale_writer", "stale_partition"):
+        if scenario == "stale_partition" and s3 is None:
+            raise ValueError("stale_partition needs an S3Host (a cluster with s3=True)")
+        return run_stale_writer(cluster, work, steps=steps, rng=rng, sleep=sleep,
+                                s3=s3 if scenario == "stale_partition" else None)  # fmt: skip
     if scenario == "disk_full":
         return run_disk_full(cluster, work, steps=steps, rng=rng, sleep=sleep)
     rng = rng or random.Random()

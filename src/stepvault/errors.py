@@ -6,6 +6,8 @@ Every error names the problem and, where there is one, the way out. All derive f
 
 from __future__ import annotations
 
+import functools
+
 __all__ = [
     "AttachmentError",
     "CheckpointExistsError",
@@ -144,6 +146,11 @@ class LeaseLostError(LeaseHeldError):
         super().__init__(message)
         self.run = run
         self.owner = owner
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # DCP's collectives pickle one rank's exception to the others; the default rebuilds
+        # it from ``args`` alone and fails on the keyword-only fields (a TypeError there).
+        return (functools.partial(type(self), run=self.run, owner=self.owner), (str(self),))
 
 
 class SigningError(StepvaultError):

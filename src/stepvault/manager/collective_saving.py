@@ -18,7 +18,7 @@ import torch
 
 from ..core.info import SaveInfo
 from ..core.values import encode_metadata, encode_metrics
-from ..errors import StepvaultError
+from ..errors import LeaseLostError, StepvaultError
 from ..format import parse_manifest
 from ..state.snapshot import weights_only
 from .saving import SaveRequest, Staged
@@ -102,6 +102,7 @@ class CollectiveWriter:
 
                 save_state(s.store, part, **args)
         except BaseException as exc:
+            exc = lease_lost_in(exc)
             s.failed(step, exc)
             s.raise_or_warn(exc)
             return None
@@ -140,8 +141,11 @@ class CollectiveWriter:
                 try:
                     future.result()
                 except BaseException as exc:
-                    s.failed(step, exc)
-                    raise
+                    lost = lease_lost_in(exc)
+                    s.failed(step, lost)
+                    if lost is exc:
+                        raise
+                    raise lost from exc
             if rank_staged is not None:  # both writes done: the bytes this rank hashed
                 fields["hashed_bytes"] = rank_staged.copies.digests.hashed_bytes
             m = parse_manifest(s.store.read_manifest(s.run, step), f"{s.run}@{step}")
@@ -153,3 +157,17 @@ class CollectiveWriter:
     def close(self) -> None:
         if self.async_saver is not None:
             self.async_saver.close()
+
+
+def lease_lost_in(exc: BaseException) -> BaseException:
+    """The :class:`LeaseLostError` that DCP's ``CheckpointException`` carries from the
+    committing rank (rank 0's fenced commit refused), so that every rank raises the lost
+    lease itself rather than DCP's wrapper; any other failure as it is."""
+    # CheckpointException.failures: rank -> (exception, traceback summary)
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            failure = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(failure, LeaseLostError):
+                return failure
+    return exc
