@@ -152,3 +152,44 @@ def test_lightning_deepspeed_preempted_killed_damaged_and_resumed_is_bitwise(tmp
     manifest = stepvault.open(root).manifest("ds", 12)
     assert manifest.sharded
     assert manifest.metadata["lightning_strategy"] == "CPUDeepSpeedStrategy"
+
+
+RESHARD_SCRIPT = Path(__file__).parent / "scripts" / "lightning_reshard_train.py"
+
+
+def test_lightning_model_parallel_checkpoint_of_2_ranks_resumes_on_4(tmp_path):
+    """Resharding 2 -> 4: a ModelParallelStrategy (FSDP2) job of 2 processes saves at the
+    end of its first epoch; the same job on 4 processes (Lightning's launcher, gloo) resumes
+    from it through the collective restore planner, which reshards the DCP checkpoint. The
+    state training starts from on 4 ranks (the gathered weights and AdamW state) equals
+    the 2-rank job's final state bitwise; training continues on 4 ranks and its own
+    checkpoint (4 ranks' shards) restores in one process with the job's final weights."""
+    import math
+    import sys
+
+    root = tmp_path / "store"
+
+    def job(devices: int, steps: int) -> str:
+        cmd = [sys.executable, str(RESHARD_SCRIPT), "--root", str(root)]
+        return run_job([*cmd, "--devices", str(devices), "--max-steps", str(steps)], timeout=420)
+
+    two = job(2, 8)  # 8 batches per rank and epoch on 2 ranks: saves at 4 and 8
+    assert "FRESH" in two
+    four = job(4, 12)  # 4 batches per rank and epoch on 4 ranks: saves at 12
+    assert "RESUMED 8" in four
+    assert _line(four, "RESTORED") == final_digest(two)  # resharded, state equal
+    assert final_digest(four) != final_digest(two)  # it trained on
+    assert math.isfinite(float(_line(four, "LOSS")))
+    vault = stepvault.open(root)
+    assert vault.steps("reshard")[-1] == 12 and vault.manifest("reshard", 12).sharded
+
+    # The 4-rank checkpoint restores in one process (evaluation, export).
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lightning_sharded_train", SCRIPT)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    plain = worker.Sharded()
+    info = stepvault.restore(root, {"model": plain}, run="reshard", strict=False)
+    assert info is not None and info.step == 12
+    assert worker.weights_digest(plain) == _line(four, "WEIGHTS")
