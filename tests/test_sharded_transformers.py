@@ -165,6 +165,28 @@ def test_deepspeed_zero2_sigkill_resume_bitwise_against_the_trainers_own(tmp_pat
     assert torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
     assert all(torch.equal(t, final[f"w.{k}"]) for k, t in weights.items() if f"w.{k}" in final)
 
+    # The checkpoint as a model folder (the module weights of DeepSpeed's model-states file,
+    # one tensor at a time), loaded by from_pretrained: the job's final weights
+    _export_loads_final(store, tmp_path / "export", final)
+
+
+def _export(store: Path, folder: Path) -> subprocess.CompletedProcess:
+    cli = str(Path(sys.executable).parent / "stepvault")
+    return subprocess.run(
+        [cli, "-r", str(store), "export", "gpt@12", "-o", str(folder)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _export_loads_final(store: Path, folder: Path, final: dict) -> None:
+    from transformers import GPT2LMHeadModel
+
+    done = _export(store, folder)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    got = GPT2LMHeadModel.from_pretrained(folder).state_dict()
+    names = [k[2:] for k in final if k.startswith("w.")]
+    assert names and all(torch.equal(got[n], final[f"w.{n}"]) for n in names)
+
 
 @pytest.mark.slow
 def test_deepspeed_zero3_damaged_shard_of_rank1_falls_back_on_every_rank(tmp_path):
@@ -178,12 +200,14 @@ def test_deepspeed_zero3_damaged_shard_of_rank1_falls_back_on_every_rank(tmp_pat
     out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"))
     assert "RESUMED 4 skipped=1" in out, out[-3000:]
     _same(tmp_path / "sv.pt", straight)
+    # ZeRO-3 keeps no whole module: the export says so and names the way that works
+    done = _export(store, tmp_path / "export")
+    assert done.returncode != 0 and "ZeRO-3" in done.stdout + done.stderr
+    assert "load_fp32_state_dict" in done.stdout + done.stderr
 
 
 @pytest.mark.slow
 def test_fsdp2_sigkill_damaged_shard_fallback_and_from_pretrained_export(tmp_path):
-    from transformers import GPT2LMHeadModel
-
     common = ["--shard", "fsdp2", "--max-steps", "12", "--save-every", "4"]
     straight = tmp_path / "straight.pt"
     _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
@@ -197,15 +221,4 @@ def test_fsdp2_sigkill_damaged_shard_fallback_and_from_pretrained_export(tmp_pat
 
     # The sharded checkpoint as a model folder (one tensor at a time), loaded by
     # from_pretrained: the job's final weights
-    folder = tmp_path / "export"
-    done = subprocess.run(
-        [str(Path(sys.executable).parent / "stepvault"), "-r", str(store), "export",
-         "gpt@12", "-o", str(folder)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    model = GPT2LMHeadModel.from_pretrained(folder)
-    final = torch.load(straight)
-    got = model.state_dict()
-    names = [k[2:] for k in final if k.startswith("w.")]
-    assert names and all(torch.equal(got[n], final[f"w.{n}"]) for n in names)
+    _export_loads_final(store, tmp_path / "export", torch.load(straight))

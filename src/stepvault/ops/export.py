@@ -1,7 +1,8 @@
 """Export the weights of a checkpoint as safetensors (one file, or an HF-style sharded set).
 
 Works for single-process and multi-rank checkpoints alike (shards are assembled into full
-tensors in one process). Optional dtype cast, name filter and prefix strip. Needs the
+tensors in one process), and for DeepSpeed ZeRO 1/2 checkpoints of ``DeepSpeedCheckpointer``
+(the module weights of DeepSpeed's model-states file). Optional dtype cast, name filter and prefix strip. Needs the
 ``safetensors`` package (``pip install 'stepvault[export]'``).
 """
 
@@ -77,8 +78,13 @@ def weight_tensors(vault: Vault, run: str, step: int | str | None, module: str |
         modules = [k for k, v in kinds.items() if v == "module"] or sorted(
             {fqn.split(".", 1)[0] for fqn, e in entries.items() if e["type"] == "tensor"}
         )
-        chosen = _choose(module, modules, m)
         paths = m.sharded.get("paths", {})
+        deepspeed = "module" not in kinds.values() and "deepspeed" in modules
+        if deepspeed and module in (None, "deepspeed"):
+            # DeepSpeedCheckpointer's (the HF Trainer's, Accelerate's with DeepSpeed)
+            yield from _deepspeed_module(ckpt, entries, paths)
+            return
+        chosen = _choose(module, modules, m)
         for fqn, e in entries.items():
             path = paths.get(fqn) or fqn.split(".", 1)
             if e["type"] == "tensor" and path[0] == chosen:
@@ -93,6 +99,51 @@ def weight_tensors(vault: Vault, run: str, step: int | str | None, module: str |
             size = sum(length for _, _, length in entry.chunks)
             load = _Loader(functools.partial(ckpt.tensor, name), size)
             yield _unescape(name[len(prefix) :]), load
+
+
+def _deepspeed_module(ckpt: Any, entries: dict[str, Any], paths: dict[str, Any]):
+    """(name, loader) pairs of the module weights in a DeepSpeed checkpoint's model-states
+    file (ZeRO 1/2 keep the whole module there: what the HF Trainer's own ``save_model``
+    writes), one tensor read at a time through the packed file's skeleton."""
+    from ..distributed.planners import decode_value_bytes
+    from ..format import decode_value
+    from .migrate.deepspeed import MODEL_STATES, TensorRef, register_deepspeed_types
+
+    register_deepspeed_types()
+    by_path = {tuple(str(p) for p in (paths.get(f) or f.split("."))): f for f in entries}
+    files = sorted({p[1] for p in by_path if len(p) > 2 and p[0] == "deepspeed"})
+    shared = [f for f in files if f.endswith(MODEL_STATES) and "zero_pp_rank_" not in f]
+    m = ckpt.manifest
+    if not shared:
+        raise StepvaultError(
+            f"{m.run}@{m.step} is a DeepSpeed ZeRO-3 checkpoint: its weights exist only as "
+            "the ranks' partitions. Read them joined with stepvault.integrations.deepspeed."
+            "load_fp32_state_dict(root, run, step), then model.load_state_dict(...) and "
+            "model.save_pretrained(DIR)"
+        )
+    name = shared[0]
+    tree_fqn = by_path.get(("deepspeed", name, "tree"))
+    if tree_fqn is None:
+        raise StepvaultError(f"{m.run}@{m.step}: DeepSpeed file {name} has no skeleton")
+    skeleton = decode_value_bytes(bytes(decode_value(entries[tree_fqn]["value"], _none)))
+    for key, ref in (skeleton.get("module") or {}).items():
+        if not isinstance(ref, TensorRef):
+            continue
+        fqn = by_path[("deepspeed", name, "tensors", f"t{ref.index}")]
+        entry = entries[fqn]
+        size = 1
+        for n in entry["size"]:
+            size *= n
+        if size == 0:  # a ZeRO-3 placeholder
+            raise StepvaultError(
+                f"{m.run}@{m.step}: {key} is a ZeRO-3 placeholder in {name}; use "
+                "stepvault.integrations.deepspeed.load_fp32_state_dict for its weights"
+            )
+        yield str(key), _Loader(functools.partial(ckpt.tensor, fqn))
+
+
+def _none(kind: str, name: str) -> None:
+    return None
 
 
 def _choose(module: str | None, modules: list[str], m: Any) -> str:
