@@ -265,6 +265,9 @@ def check_launch(outcome: Outcome, out: Path, launch: int, world: int, reference
         if doc["digest"] != reference[step]:
             outcome.broken.append(f"launch {launch} rank {rank}: step {step} ({doc['tier']}) "
                                   "differs from the reference")  # fmt: skip
+        if step > 0 and doc.get("saved_by") is None:  # the save's metadata came back
+            outcome.broken.append(f"launch {launch} rank {rank}: step {step} ({doc['tier']}) "
+                                  "restored without the metadata it was saved with")  # fmt: skip
         if disk_before is not None and step < disk_before:
             outcome.broken.append(f"launch {launch} rank {rank}: restored {step}, older than "
                                   f"{disk_before} on disk")  # fmt: skip

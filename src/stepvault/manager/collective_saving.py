@@ -76,7 +76,9 @@ class CollectiveWriter:
         part = weights_only(state) if kind == "weights" else state
         rank_mem, rank_staged, disk = self.mem, None, True
         if rank_mem is not None:  # this rank's own copy into node memory (.rank_memory)
-            rank_staged, disk = rank_mem.stage(step, state, decision, epoch=epoch, metrics=metrics)
+            rank_staged, disk = rank_mem.stage(
+                step, state, decision, epoch=epoch, metrics=metrics, metadata=metadata
+            )
         args: dict[str, Any] = dict(
             run=s.run,
             step=step,

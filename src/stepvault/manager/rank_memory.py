@@ -167,6 +167,7 @@ class RankMemory:
         *,
         epoch: int | None,
         metrics: Mapping[str, Any] | None,
+        metadata: Any = None,
     ) -> tuple[RankStaged | None, bool]:
         """Training thread: copy this rank's state to host memory and make room for it;
         ``(staged or None, disk)`` where ``disk`` (the same on every rank) says whether the
@@ -186,9 +187,11 @@ class RankMemory:
                     }
                 kind = "full"  # (the localized state is plain values and tensors)
             snapshot = take_snapshot(source, kind=kind)
+            # the user's metadata too: a restore from memory returns it as one from disk does
             manifest = new_manifest(
-                self.run, step, snapshot, epoch=epoch, kind=kind, metrics=metrics
-            )
+                self.run, step, snapshot, epoch=epoch, kind=kind, metrics=metrics,
+                metadata=metadata,
+            )  # fmt: skip
             # The previous save's commit is done (collective saves wait for it), so its
             # buffers are free; the replica is read from the mem store, not from them.
             host = {
