@@ -298,7 +298,8 @@ class CheckpointMixin:
         if self._sharded and trainer.world_size == 1:
             raise StepvaultError(
                 f"StepvaultCheckpoint does not support {type(strategy).__name__} on one "
-                "device: its DTensor state needs a collective save over more than one rank. "
+                "device: its sharded state (DTensors, DeepSpeed's ZeRO partitions) is saved "
+                "collectively, which needs more than one rank. "
                 'Train one device with strategy="auto" (a plain module), or use two or more '
                 "devices"
             )
