@@ -1,0 +1,213 @@
+"""torchtitan through stepvault (issue 30, item 4): a real torchtitan job — its own
+Trainer and entry point, the llama3 debug model under FSDP2, 2 processes under torchrun
+over gloo on CPU — checkpointed by ``StepvaultCheckpointManager`` from its config.
+
+torchtitan cannot share the dev environment (its ``datasets`` needs a huggingface-hub
+that breaks transformers), so the module fixture builds ``.venv-torchtitan`` in the
+repository once (a stamp keyed on the pins; later runs reuse it) and skips only when pip
+cannot reach the registry. The job's tokenizer and dataset are made by the test
+(tests/scripts/torchtitan_assets.py); the CPU patches torchtitan needs are test-only
+(tests/scripts/torchtitan_train.py, torchtitan_configs.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ddp_util import ENV, kill_job, kill_job_when_saved, run_job
+from integration_util import damage_newest
+
+import stepvault
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+VENV = REPO / ".venv-torchtitan"
+#: What the environment holds; the stamp is keyed on these and on stepvault's core deps.
+PINS = ["torch==2.13.0", "torchtitan==0.3.0"]
+CORE = ["numpy", "zstandard", "blake3", "typer", "rich", "xxhash"]
+#: pip's words when the registry cannot be reached (then the test skips, saying so).
+UNREACHABLE = (
+    "Could not find a version that satisfies",
+    "No matching distribution found",
+    "Failed to establish a new connection",
+    "Network is unreachable",
+    "Temporary failure in name resolution",
+)
+RUN = "llama3"
+STEPS = 12  # checkpoints every 3 steps (torchtitan_configs.INTERVAL)
+
+
+def _pip(python: Path, *args: str) -> None:
+    out = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints.txt"), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if out.returncode != 0:
+        text = out.stdout + out.stderr
+        if any(words in text for words in UNREACHABLE):
+            pytest.skip(f"pip cannot reach the registry to build {VENV.name}: {text[-800:]}")
+        raise AssertionError(f"building {VENV.name} failed:\n{text[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def tt_python() -> Path:
+    """The torchtitan environment's python (built once; a stamp keyed on the pins)."""
+    python = VENV / "bin" / "python"
+    key = hashlib.sha256(json.dumps([PINS, CORE, sys.version_info[:2]]).encode()).hexdigest()
+    stamp = VENV / ".stepvault-stamp"
+    if python.exists() and stamp.exists() and stamp.read_text() == key:
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
+    _pip(python, *PINS, *CORE)
+    # stepvault from this checkout (its dependencies are above): the code under test.
+    _pip(python, "--no-deps", "-e", str(REPO))
+    stamp.write_text(key)
+    return python
+
+
+@pytest.fixture(scope="module")
+def assets(tt_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tokenizer and text dataset the debug config reads (made here, not downloaded)."""
+    root = tmp_path_factory.mktemp("torchtitan-assets")
+    subprocess.run(
+        [str(tt_python), str(SCRIPTS / "torchtitan_assets.py"), str(root)], check=True, env=ENV
+    )
+    return root
+
+
+def _job(python: Path, assets: Path, dump: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        str(python),
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(SCRIPTS / "torchtitan_train.py"),
+        str(assets),
+        str(dump),
+        str(out),
+        *extra,
+    ]
+
+
+def _ranks(out: Path) -> list[dict]:
+    """Each rank's end state (its shards' digests, lr, step, data position)."""
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _same(a: dict, b: dict) -> dict:
+    """The parts of a rank's end state that must be equal after a resume."""
+    keys = ("step", "ntokens_seen", "model", "optimizer", "moments", "lr", "data")
+    return {k: (a[k], b[k]) for k in keys if a[k] != b[k]}
+
+
+@pytest.fixture(scope="module")
+def reference(tt_python: Path, assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 12-step job checkpointed through stepvault; its dump folder."""
+    dump = tmp_path_factory.mktemp("torchtitan-reference")
+    run_job(_job(tt_python, assets, dump, dump / "out"), timeout=600)
+    return dump
+
+
+def _killed_after(cmd: list[str], committed: Path, out: Path) -> int:
+    """Start the job, SIGKILL every process of it once ``committed`` exists and both ranks
+    stalled after it (torchtitan's own checkpoints: a folder, no stepvault store to watch);
+    its exit status."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 600
+        while not (committed.exists() and all((out / f"stalled{r}").exists() for r in range(2))):
+            assert proc.poll() is None, f"the job ended before it was killed: {proc.stderr.read()}"
+            assert time.time() < deadline, "the job wrote no checkpoint in time"
+            time.sleep(0.2)
+        kill_job(proc.pid)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc.pid)
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def test_torchtitan_job_killed_damaged_and_resumed_is_bitwise(
+    tt_python, assets, reference, tmp_path
+):
+    """The same job SIGKILLed after its step-6 checkpoint is committed, that checkpoint
+    damaged in one object only it uses (a shard of one rank): started again, both ranks
+    resume from step 3, say they skipped 6, and end with every rank's weight shards, AdamW
+    moments, lr, data position and step bitwise equal to the uninterrupted job's."""
+    want = _ranks(reference / "out")
+    assert [r["step"] for r in want] == [STEPS, STEPS]
+    assert want[0]["moments"] > 0  # the optimizer has state: it is compared
+    ref_root = reference / "checkpoint"
+    # Retention is stepvault's keep policy (keep_last=3), not torchtitan's keep_latest_k.
+    assert stepvault.open(ref_root).steps(RUN) == [6, 9, 12]
+    assert stepvault.open(ref_root).manifest(RUN, 12).sharded  # every rank wrote its shards
+
+    dump = tmp_path / "job"
+    root = dump / "checkpoint"
+    out = tmp_path / "out"
+    steps, code = kill_job_when_saved(
+        _job(tt_python, assets, dump, out, "--stall-after", "7"),
+        root,
+        RUN,
+        min_step=6,
+        timeout=600,
+    )
+    assert code != 0 and steps == [3, 6]
+    assert not (out / "rank0.json").exists()  # it never finished
+
+    assert damage_newest(root, RUN) == 6
+    run_job(_job(tt_python, assets, dump, out), timeout=600)
+    got = _ranks(out)
+    assert [(r["resumed"], r["skipped"], r["first_step"]) for r in got] == [(3, [6], 4)] * 2
+    for rank in range(2):
+        assert not _same(got[rank], want[rank]), f"rank {rank}: {_same(got[rank], want[rank])}"
+    assert stepvault.ops.verify(root, deep=True).ok  # the damaged checkpoint was quarantined
+
+
+def test_torchtitan_own_dcp_resume_ends_where_stepvault_does(
+    tt_python, assets, reference, tmp_path
+):
+    """torchtitan's own DCP checkpointer on the same job, SIGKILLed after its step-6
+    checkpoint and resumed, ends bitwise where the stepvault job does: both resumes are
+    exact, and saving through stepvault changes nothing in training."""
+    dump, out = tmp_path / "own", tmp_path / "own-out"
+    job = _job(tt_python, assets, dump, out, "--checkpointer", "dcp")
+    assert _killed_after([*job, "--stall-after", "7"], dump / "checkpoint/step-6/.metadata", out)
+    run_job(job, timeout=600)
+    got, want = _ranks(out), _ranks(reference / "out")
+    assert [r["first_step"] for r in got] == [7, 7]  # resumed from its step-6 checkpoint
+    for rank in range(2):
+        assert not _same(got[rank], want[rank]), f"rank {rank}: {_same(got[rank], want[rank])}"
+
+
+def test_torchtitan_config_refuses_keep_latest_k(tt_python):
+    """torchtitan's retention setting is refused with the stepvault one to use instead."""
+    code = (
+        "from stepvault.integrations.torchtitan import StepvaultCheckpointManager as M\n"
+        "try:\n    M.Config(enable=True, keep_latest_k=5)\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [str(tt_python), "-c", code], capture_output=True, text=True, env=ENV, check=True
+    )
+    assert "keep_last" in out.stdout and "keep_latest_k=0" in out.stdout, out.stdout + out.stderr
