@@ -2,8 +2,8 @@
 
 Works for single-process and multi-rank checkpoints alike (shards are assembled into full
 tensors in one process), and for DeepSpeed ZeRO 1/2 checkpoints of ``DeepSpeedCheckpointer``
-(the module weights of DeepSpeed's model-states file). Optional dtype cast, name filter and prefix strip. Needs the
-``safetensors`` package (``pip install 'stepvault[export]'``).
+(the module weights of DeepSpeed's model-states file). Optional dtype cast, name filter and
+prefix strip. Needs the ``safetensors`` package (``pip install 'stepvault[export]'``).
 """
 
 from __future__ import annotations
