@@ -150,7 +150,10 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
         ["--width", "128", "--layers", "2", "--saves", "2", "--every", "2"],
     ),
     # issue 30: the HF Trainer with ZeRO-2 / FSDP2, StepvaultTrainer vs the Trainer's own
-    "trainer_sharded": ([], ["--embd", "64", "--layers", "2", "--saves", "2", "--every", "2"]),
+    "trainer_sharded": (
+        [],
+        ["--embd", "64", "--layers", "2", "--saves", "2", "--every", "2", "--no-fine-tune"],
+    ),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core", "pipeline")
 #: modules of the ``[bench]`` extra that the full core run needs (real weights, zipnn)
