@@ -136,7 +136,7 @@ def test_fsdp1_is_refused_saying_why(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_sigkill_resume_bitwise_against_the_trainers_own(tmp_path):
+def test_deepspeed_zero2_sigkill_resume_bitwise_and_from_pretrained_export(tmp_path):
     common = ["--shard", "zero2", "--max-steps", "12", "--save-every", "4"]
     straight = tmp_path / "straight.pt"
     _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
@@ -146,14 +146,6 @@ def test_deepspeed_zero2_sigkill_resume_bitwise_against_the_trainers_own(tmp_pat
     out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"))
     assert "RESUMED 8 skipped=0" in out, out[-3000:]
     _same(tmp_path / "sv.pt", straight)
-
-    # The Trainer's own DeepSpeed checkpoint-8 folder, killed and resumed the same way: the
-    # reference is bitwise as well
-    native = tmp_path / "native"
-    _run_and_kill(*common, "--backend", "native", "--root", str(native), "--hold-after", "8")
-    out = _run(*common, "--backend", "native", "--root", str(native), "--resume", "--final",
-               str(tmp_path / "n.pt"))  # fmt: skip
-    _same(tmp_path / "n.pt", straight)
 
     # 2 -> 1: the Trainer's DeepSpeed checkpoint as full fp32 weights in this process
     from stepvault.integrations.deepspeed import load_fp32_state_dict
@@ -168,6 +160,20 @@ def test_deepspeed_zero2_sigkill_resume_bitwise_against_the_trainers_own(tmp_pat
     # The checkpoint as a model folder (the module weights of DeepSpeed's model-states file,
     # one tensor at a time), loaded by from_pretrained: the job's final weights
     _export_loads_final(store, tmp_path / "export", final)
+
+
+@pytest.mark.reference
+def test_deepspeed_zero2_the_trainers_own_resume_is_bitwise_too(tmp_path):
+    """The Trainer's own DeepSpeed checkpoint-8 folder, killed and resumed the same way,
+    ends where the uninterrupted job does (what stepvault's resume is held to)."""
+    common = ["--shard", "zero2", "--max-steps", "12", "--save-every", "4"]
+    straight = tmp_path / "straight.pt"
+    _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
+    native = tmp_path / "native"
+    _run_and_kill(*common, "--backend", "native", "--root", str(native), "--hold-after", "8")
+    _run(*common, "--backend", "native", "--root", str(native), "--resume", "--final",
+         str(tmp_path / "n.pt"))  # fmt: skip
+    _same(tmp_path / "n.pt", straight)
 
 
 def _export(store: Path, folder: Path) -> subprocess.CompletedProcess:

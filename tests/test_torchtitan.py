@@ -4,75 +4,39 @@ over gloo on CPU — checkpointed by ``StepvaultCheckpointManager`` from its con
 
 torchtitan cannot share the dev environment (its ``datasets`` needs a huggingface-hub
 that breaks transformers), so the module fixture builds ``.venv-torchtitan`` in the
-repository once (a stamp keyed on the pins; later runs reuse it) and skips only when pip
-cannot reach the registry. The job's tokenizer and dataset are made by the test
-(tests/scripts/torchtitan_assets.py); the CPU patches torchtitan needs are test-only
-(tests/scripts/torchtitan_train.py, torchtitan_configs.py).
+repository once (tests/torchtitan_env.py; CI builds it in the background during the fast
+tests) and skips only when pip cannot reach the registry. The job's tokenizer and
+dataset are made by the test (tests/scripts/torchtitan_assets.py); the CPU patches
+torchtitan needs are test-only (tests/scripts/torchtitan_train.py, torchtitan_configs.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import torchtitan_env
 from ddp_util import ENV, kill_job, kill_job_when_saved, run_job
 from integration_util import damage_newest
 
 import stepvault
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-VENV = REPO / ".venv-torchtitan"
-#: What the environment holds; the stamp is keyed on these and on stepvault's core deps.
-PINS = ["torch==2.13.0", "torchtitan==0.3.0"]
-CORE = ["numpy", "zstandard", "blake3", "typer", "rich", "xxhash"]
-#: pip's words when the registry cannot be reached (then the test skips, saying so).
-UNREACHABLE = (
-    "Could not find a version that satisfies",
-    "No matching distribution found",
-    "Failed to establish a new connection",
-    "Network is unreachable",
-    "Temporary failure in name resolution",
-)
 RUN = "llama3"
 STEPS = 12  # checkpoints every 3 steps (torchtitan_configs.INTERVAL)
 
 
-def _pip(python: Path, *args: str) -> None:
-    out = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints.txt"), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if out.returncode != 0:
-        text = out.stdout + out.stderr
-        if any(words in text for words in UNREACHABLE):
-            pytest.skip(f"pip cannot reach the registry to build {VENV.name}: {text[-800:]}")
-        raise AssertionError(f"building {VENV.name} failed:\n{text[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def tt_python() -> Path:
-    """The torchtitan environment's python (built once; a stamp keyed on the pins)."""
-    python = VENV / "bin" / "python"
-    key = hashlib.sha256(json.dumps([PINS, CORE, sys.version_info[:2]]).encode()).hexdigest()
-    stamp = VENV / ".stepvault-stamp"
-    if python.exists() and stamp.exists() and stamp.read_text() == key:
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-    _pip(python, *PINS, *CORE)
-    # stepvault from this checkout (its dependencies are above): the code under test.
-    _pip(python, "--no-deps", "-e", str(REPO))
-    stamp.write_text(key)
-    return python
+    """The torchtitan environment's python (tests/torchtitan_env.py: built once)."""
+    try:
+        return torchtitan_env.build()
+    except torchtitan_env.RegistryUnreachable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +111,7 @@ def _killed_after(cmd: list[str], committed: Path, out: Path) -> int:
         proc.stderr.close()
 
 
+@pytest.mark.slow
 def test_torchtitan_job_killed_damaged_and_resumed_is_bitwise(
     tt_python, assets, reference, tmp_path
 ):
@@ -184,6 +149,7 @@ def test_torchtitan_job_killed_damaged_and_resumed_is_bitwise(
     assert stepvault.ops.verify(root, deep=True).ok  # the damaged checkpoint was quarantined
 
 
+@pytest.mark.reference
 def test_torchtitan_own_dcp_resume_ends_where_stepvault_does(
     tt_python, assets, reference, tmp_path
 ):
@@ -200,6 +166,7 @@ def test_torchtitan_own_dcp_resume_ends_where_stepvault_does(
         assert not _same(got[rank], want[rank]), f"rank {rank}: {_same(got[rank], want[rank])}"
 
 
+@pytest.mark.slow
 def test_torchtitan_config_refuses_keep_latest_k(tt_python):
     """torchtitan's retention setting is refused with the stepvault one to use instead."""
     code = (
