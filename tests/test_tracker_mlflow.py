@@ -218,6 +218,49 @@ def test_registry_alias_follows_stepvault_and_mlflow_moves_are_refused(tracking,
     assert client.get_model_version_by_alias("classifier", "champion").version == "2"
 
 
+def test_the_cli_promote_and_rollback_with_mlflow_move_the_mlflow_alias(tracking, tmp_path):
+    """``stepvault promote ... --mlflow`` (and rollback): the registered model of the same
+    name follows a move made at the command line; a move made in MLflow is refused before
+    stepvault changes; without --mlflow MLflow is not touched."""
+    from helpers import cli
+
+    root = tmp_path / "ckpts"
+    mlflow.set_experiment("stepvault-cli")
+    state = _state(0)
+    with mlflow.start_run():
+        mgr = stepvault.CheckpointManager(
+            root, run="r", options=ManagerOptions(hooks=(MLflowTracker(),))
+        )
+        _train(state, mgr, range(3))
+        mgr.close()
+    client = mlflow.MlflowClient()
+
+    done = cli(root, "promote", "ranker", "r@1", "--alias", "stable", "--mlflow")
+    assert done.exit_code == 0, done.output
+    assert "MLflow ranker@stable -> version 1" in done.output
+    assert client.get_model_version_by_alias("ranker", "stable").tags["stepvault.ref"] == "r@1"
+    done = cli(root, "promote", "ranker", "r@2", "--alias", "stable", "--mlflow")
+    assert done.exit_code == 0, done.output
+    assert client.get_model_version_by_alias("ranker", "stable").tags["stepvault.ref"] == "r@2"
+    assert stepvault.restore("models:/ranker@stable", _state(3)).step == 2
+
+    done = cli(root, "rollback", "ranker", "--alias", "stable", "--mlflow")
+    assert done.exit_code == 0, done.output
+    assert client.get_model_version_by_alias("ranker", "stable").tags["stepvault.ref"] == "r@1"
+
+    # without --mlflow: stepvault moves, MLflow stays
+    assert cli(root, "promote", "ranker", "r@3", "--alias", "stable").exit_code == 0
+    assert client.get_model_version_by_alias("ranker", "stable").tags["stepvault.ref"] == "r@1"
+
+    # a move made in MLflow: refused with the command that moves it, nothing changed
+    client.set_registered_model_alias("ranker", "stable", "2")
+    done = cli(root, "promote", "ranker", "r@2", "--alias", "stable", "--mlflow")
+    assert done.exit_code == 2
+    assert "stepvault promote ranker RUN@STEP --alias stable" in " ".join(done.output.split())
+    assert Registry(root).aliases("ranker")["stable"] == 3  # r@3, from the plain promote
+    assert client.get_model_version_by_alias("ranker", "stable").version == "2"
+
+
 def test_a_ref_to_a_deleted_or_damaged_checkpoint_says_which_and_what_is_left(tracking, tmp_path):
     root = tmp_path / "ckpts"
     state = _state(0)
