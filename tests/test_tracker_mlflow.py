@@ -174,16 +174,21 @@ def test_checkpoints_are_logged_models_and_restore_from_models_uri(tracking, tmp
     assert _same(fresh, reference)
 
 
-def test_registry_alias_follows_stepvault_and_mlflow_moves_are_refused(tracking, tmp_path):
+def _three_tracked_checkpoints(tmp_path, experiment: str):
+    """A store whose run ``r`` has checkpoints 1..3 logged by the tracker; its root."""
     root = tmp_path / "ckpts"
-    mlflow.set_experiment("stepvault-registry")
-    state = _state(0)
+    mlflow.set_experiment(experiment)
     with mlflow.start_run():
         mgr = stepvault.CheckpointManager(
             root, run="r", options=ManagerOptions(hooks=(MLflowTracker(),))
         )
-        _train(state, mgr, range(3))
+        _train(_state(0), mgr, range(3))
         mgr.close()
+    return root
+
+
+def test_registry_alias_follows_stepvault_and_mlflow_moves_are_refused(tracking, tmp_path):
+    root = _three_tracked_checkpoints(tmp_path, "stepvault-registry")
     client = mlflow.MlflowClient()
 
     number = promote(root, "classifier", "r@2", "champion")
@@ -224,15 +229,7 @@ def test_the_cli_promote_and_rollback_with_mlflow_move_the_mlflow_alias(tracking
     stepvault changes; without --mlflow MLflow is not touched."""
     from helpers import cli
 
-    root = tmp_path / "ckpts"
-    mlflow.set_experiment("stepvault-cli")
-    state = _state(0)
-    with mlflow.start_run():
-        mgr = stepvault.CheckpointManager(
-            root, run="r", options=ManagerOptions(hooks=(MLflowTracker(),))
-        )
-        _train(state, mgr, range(3))
-        mgr.close()
+    root = _three_tracked_checkpoints(tmp_path, "stepvault-cli")
     client = mlflow.MlflowClient()
 
     done = cli(root, "promote", "ranker", "r@1", "--alias", "stable", "--mlflow")
