@@ -115,6 +115,11 @@ class StateMismatchError(StepvaultError, ValueError):
             f"nothing was changed):\n  - {lines}"
         )
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # DCP pickles one rank's failure to the others; the default would rebuild it from
+        # the message (``problems`` a list of its characters).
+        return (type(self), (self.problems,))
+
 
 class OutOfSpaceError(StepvaultError, OSError):
     """The backend ran out of space during a save; earlier checkpoints are intact."""

@@ -149,31 +149,31 @@ def share_offer(store: Store, run: str, choose: Callable[[], tuple[list[int], bo
     return Offer(payload[1], payload[2], payload[3])
 
 
+def _failures(exc: BaseException) -> list[object]:
+    """The exceptions of each rank a DCP ``CheckpointException`` carries (its ``failures``
+    map a rank to an ``(exception, traceback summary)`` pair); empty for any other."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    return [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+
+
 def _is_damage(exc: BaseException) -> bool:
     if isinstance(exc, IntegrityError):
         return True
-    failures = getattr(exc, "failures", None)  # CheckpointException: rank -> exception
-    if isinstance(failures, dict):
-        return any(
-            isinstance(f, IntegrityError)
-            or "IntegrityError" in repr(f)
-            or "CorruptObjectError" in repr(f)
-            or "MissingObjectError" in repr(f)
-            for f in failures.values()
-        )
-    return False
+    # a rank's exception rebuilt from a pickle may have lost its class: its name counts
+    damage = ("IntegrityError", "CorruptObjectError", "MissingObjectError")
+    return any(
+        isinstance(f, IntegrityError) or any(name in repr(f) for name in damage)
+        for f in _failures(exc)
+    )
 
 
 def _mismatch(exc: BaseException) -> StateMismatchError | None:
     """The :class:`StateMismatchError` a (DCP-wrapped) failure carries, if it is one."""
     if isinstance(exc, StateMismatchError):
         return exc
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for failure in failures.values():
-            if isinstance(failure, StateMismatchError):
-                return failure
-    return None
+    return next((f for f in _failures(exc) if isinstance(f, StateMismatchError)), None)
 
 
 def try_candidates(

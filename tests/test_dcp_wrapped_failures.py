@@ -1,0 +1,43 @@
+"""What a rank's failure inside DCP's collectives becomes on every rank.
+
+DCP wraps each rank's exception as ``(exception, traceback summary)`` in a
+``CheckpointException`` and pickles it to the other ranks. The restore agreement must still
+see a mismatched state (raised as itself, with its problems) and damage (fall back) in it.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+from stepvault.distributed.agreement import _is_damage, _mismatch
+from stepvault.errors import CorruptObjectError, StateMismatchError
+
+
+def _raised(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as caught:  # a traceback, as DCP's wrapper takes it
+        return caught
+
+
+def _across_ranks(exc: BaseException) -> CheckpointException:
+    """``exc`` raised on rank 1, as another rank receives DCP's wrapper of it."""
+    wrapped = CheckpointException("load failed", {1: _wrap_exception(_raised(exc))})
+    return pickle.loads(pickle.dumps(wrapped))
+
+
+def test_a_mismatched_state_on_another_rank_is_raised_as_itself():
+    problems = ["model.w: shape (4, 4) in the checkpoint, (8, 4) live", "missing: opt.step"]
+    found = _mismatch(_across_ranks(StateMismatchError(problems)))
+    assert isinstance(found, StateMismatchError)
+    assert found.problems == problems  # not the characters of its message
+    assert not _is_damage(_across_ranks(StateMismatchError(problems)))
+
+
+def test_damage_on_another_rank_is_damage_and_no_mismatch():
+    received = _across_ranks(CorruptObjectError("object ab12 does not match its hash"))
+    assert _is_damage(received)
+    assert _mismatch(received) is None
+    assert not _is_damage(_across_ranks(OSError("connection reset")))
