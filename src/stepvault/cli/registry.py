@@ -27,6 +27,7 @@ from .common import (
     console,
     existing_name,
 )
+from .mirrors import MlflowOpt, mlflow_sync
 from .output import print_table
 
 KeyOpt = Annotated[
@@ -165,38 +166,6 @@ def register_cmd(
     return None
 
 
-MlflowOpt = Annotated[
-    bool,
-    typer.Option(
-        "--mlflow",
-        help="Mirror the move into MLflow's registered model of the same name "
-        "(MLFLOW_TRACKING_URI; stepvault[mlflow]): its alias follows.",
-    ),
-]
-
-
-def _mlflow_sync(root: str, model: str, *, moved: bool) -> dict[str, int]:
-    """MLflow's registered model ``model`` made to mirror stepvault's (alias -> MLflow
-    version); raises RegistryError, changing nothing, when an alias was moved in MLflow.
-    ``moved``: stepvault's alias has moved already (an MLflow failure then says so)."""
-    from ..integrations.mlflow import sync_registry  # the extra: imported only when asked
-
-    try:
-        return sync_registry(root, model)
-    except StepvaultError:
-        raise
-    except Exception as exc:  # MLflow's own errors: server down, refused, misconfigured
-        state = (
-            "stepvault's registry has moved; run the same command with --mlflow again to mirror it"
-            if moved
-            else "nothing was changed"
-        )
-        raise StepvaultError(
-            f"MLflow ({type(exc).__name__}: {exc}) at MLFLOW_TRACKING_URI="
-            f"{os.environ.get('MLFLOW_TRACKING_URI', '(not set)')}: {state}"
-        ) from exc
-
-
 @app.command("promote")
 def promote_cmd(
     model: Annotated[str, typer.Argument(help="Model name (created on first use).")],
@@ -218,7 +187,7 @@ def promote_cmd(
     """Point MODEL@ALIAS at a checkpoint (registering it as a new version if needed)."""
     try:
         if mlflow:  # an alias moved in MLflow is refused before stepvault moves anything
-            _mlflow_sync(_root(root), model, moved=False)
+            mlflow_sync(_root(root), model, moved=False)
         registry = Registry(_root(root), signer=_signer(key))
         if export:  # the same exporter as 'register --export'; the version records the files
             run, step = _exact(target)
@@ -234,7 +203,7 @@ def promote_cmd(
             version = registry.register(model, run, step, note=note, export=info)
             target = f"v{version.version}"
         move = registry.promote(model, target, alias, note=note)
-        mirrored = _mlflow_sync(_root(root), model, moved=True) if mlflow else None
+        mirrored = mlflow_sync(_root(root), model, moved=True) if mlflow else None
     except (StepvaultError, ValueError, ImportError) as exc:
         return _fail(exc)
     if as_json:
@@ -259,9 +228,9 @@ def rollback_cmd(
     """Move MODEL@ALIAS back to the version it held before."""
     try:
         if mlflow:
-            _mlflow_sync(_root(root), model, moved=False)
+            mlflow_sync(_root(root), model, moved=False)
         move = Registry(_root(root), signer=_signer(key)).rollback(model, alias, note=note)
-        mirrored = _mlflow_sync(_root(root), model, moved=True) if mlflow else None
+        mirrored = mlflow_sync(_root(root), model, moved=True) if mlflow else None
     except (StepvaultError, ValueError, ImportError) as exc:
         return _fail(exc)
     if as_json:
