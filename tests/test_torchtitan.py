@@ -4,8 +4,9 @@ over gloo on CPU — checkpointed by ``StepvaultCheckpointManager`` from its con
 
 torchtitan cannot share the dev environment (its ``datasets`` needs a huggingface-hub
 that breaks transformers), so the module fixture builds ``.venv-torchtitan`` in the
-repository once (tests/torchtitan_env.py; CI builds it in the background during the fast
-tests) and skips only when pip cannot reach the registry. The job's tokenizer and
+repository once (tests/torchtitan_env.py) and skips only when pip cannot reach the
+registry. Marked ``extended`` (``-m extended``): the build and the jobs (~3 min) do not fit
+CI's 30 minutes. The job's tokenizer and
 dataset are made by the test (tests/scripts/torchtitan_assets.py); the CPU patches
 torchtitan needs are test-only (tests/scripts/torchtitan_train.py, torchtitan_configs.py).
 """
@@ -111,7 +112,7 @@ def _killed_after(cmd: list[str], committed: Path, out: Path) -> int:
         proc.stderr.close()
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_torchtitan_job_killed_damaged_and_resumed_is_bitwise(
     tt_python, assets, reference, tmp_path
 ):
@@ -166,7 +167,7 @@ def test_torchtitan_own_dcp_resume_ends_where_stepvault_does(
         assert not _same(got[rank], want[rank]), f"rank {rank}: {_same(got[rank], want[rank])}"
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_torchtitan_config_refuses_keep_latest_k(tt_python):
     """torchtitan's retention setting is refused with the stepvault one to use instead."""
     code = (

@@ -2,9 +2,8 @@
 
 torchtitan cannot share the dev environment (its ``datasets`` needs a huggingface-hub that
 breaks transformers), so its tests run in a venv of their own, built once: a stamp keyed on
-the pins and the Python version makes later runs reuse it. A file lock lets CI build it in
-the background while the fast tests run (``python tests/torchtitan_env.py``, .ci/run) and
-the test module wait for that build instead of starting a second one.
+the pins and the Python version makes later runs reuse it. A file lock makes a second
+build (``python tests/torchtitan_env.py`` beside the tests) wait for the first and reuse it.
 """
 
 from __future__ import annotations
