@@ -109,6 +109,7 @@ def test_job_across_hosts_survives(tmp_path, scenario):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_job_with_its_store_behind_a_slow_lossy_link_survives_a_host_loss(tmp_path):
     """The hot store on the S3 host (moto) behind a proxy that adds latency and resets
     connections and a tbf bandwidth cap; a training host dies mid-run: the job resumes
@@ -146,6 +147,7 @@ def test_a_stale_writers_commit_is_refused_across_hosts(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_full_disk_on_one_host_fails_the_save_cleanly_and_the_job_resumes(tmp_path):
     """One host's own disk (its /dev/shm tmpfs: node memory, the mem tier and the buddy's
     replicas) fills to the last byte mid-save: the rank on that host stops with a

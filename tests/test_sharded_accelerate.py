@@ -76,6 +76,7 @@ def test_accelerate_fsdp2_save_restore_bitwise_and_restores_in_one_process(tmp_p
 DS_SCRIPT = Path(__file__).parent / "scripts" / "accelerate_deepspeed_train.py"
 
 
+@pytest.mark.extended
 def test_accelerate_deepspeed_killed_damaged_and_resumed_is_bitwise(tmp_path):
     """Accelerate with a DeepSpeed plugin (ZeRO-2): the prepared engine saves through
     AcceleratorCheckpointer (every rank its partitions, one collective checkpoint), the job

@@ -196,6 +196,7 @@ def _same(a_path, b_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_zero2_sigkill_resume_bitwise_against_deepspeed_and_straight(tmp_path):
     common = ["--stage", "2", "--steps", "16", "--save-every", "4"]
     straight = tmp_path / "straight.pt"

@@ -122,6 +122,7 @@ def _ds_job(*extra: str) -> list[str]:
     return [sys.executable, str(DS_SCRIPT), "--max-steps", "12", "--save-every", "3", *extra]
 
 
+@pytest.mark.extended
 def test_lightning_deepspeed_preempted_killed_damaged_and_resumed_is_bitwise(tmp_path):
     """Lightning's DeepSpeedStrategy (ZeRO-2, 2 CPU processes through Lightning's own
     launcher; a test-only CPU subclass in the worker) with StepvaultCheckpoint: the engine's
@@ -157,6 +158,7 @@ def test_lightning_deepspeed_preempted_killed_damaged_and_resumed_is_bitwise(tmp
 RESHARD_SCRIPT = Path(__file__).parent / "scripts" / "lightning_reshard_train.py"
 
 
+@pytest.mark.extended
 def test_lightning_model_parallel_checkpoint_of_2_ranks_resumes_on_4(tmp_path):
     """Resharding 2 -> 4: a ModelParallelStrategy (FSDP2) job of 2 processes saves at the
     end of its first epoch; the same job on 4 processes (Lightning's launcher, gloo) resumes

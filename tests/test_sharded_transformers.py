@@ -136,6 +136,7 @@ def test_fsdp1_is_refused_saying_why(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_deepspeed_zero2_sigkill_resume_bitwise_and_from_pretrained_export(tmp_path):
     common = ["--shard", "zero2", "--max-steps", "12", "--save-every", "4"]
     straight = tmp_path / "straight.pt"
@@ -213,6 +214,7 @@ def test_deepspeed_zero3_damaged_shard_of_rank1_falls_back_on_every_rank(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp2_sigkill_damaged_shard_fallback_and_from_pretrained_export(tmp_path):
     common = ["--shard", "fsdp2", "--max-steps", "12", "--save-every", "4"]
     straight = tmp_path / "straight.pt"

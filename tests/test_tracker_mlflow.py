@@ -384,6 +384,7 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
     not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
     reason="needs chromium and chromium-driver (apt-get install -y chromium chromium-driver)",
 )
+@pytest.mark.extended
 def test_the_mlflow_ui_lists_stepvault_checkpoints(tracking, tmp_path):
     """The MLflow UI of the test server, in headless Chromium, lists one model per
     checkpoint with its metrics and the registered version. With
