@@ -7,8 +7,9 @@ behaviour lives here in two mixins that import no framework; :mod:`.lightning` a
 ``CheckpointIO``.
 
 (Longer than most modules: one Lightning callback and the CheckpointIO it installs, which
-share their state; loader wrapping lives in _lightning_data.py, attachments in
-_attachments.py.)
+share their state, and its take-over of a sharding strategy's save and load; loader
+wrapping lives in _lightning_data.py, attachments in _attachments.py, the DeepSpeed
+strategy's engine save in _lightning_deepspeed.py.)
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ Hooks overridden (Transformers 5.x): ``_save_checkpoint``, ``_load_from_checkpoi
 ``train`` (to pick the checkpoint).
 
 (Longer than most modules: the HF callback and the Trainer mixin are one integration and
-share their state; the shared pieces are in _common.py and _attachments.py.)
+share their state; the sharded saves and the choose-first resume override the Trainer's own
+methods, so they live on the one mixin too. The shared pieces are in _common.py and
+_attachments.py; DeepSpeed's engine side in deepspeed.py.)
 """
 
 from __future__ import annotations
