@@ -146,3 +146,25 @@ def test_logged_summaries_equal_parsed_ones(tmp_path):
     from_log = _fields(stepvault.open(tmp_path).checkpoints("r"))
     (tmp_path / cache_key("r")).unlink()
     assert _fields(stepvault.open(tmp_path).checkpoints("r")) == from_log
+
+
+class _EvictingCache(dict):
+    """A shared step -> record cache from which another thread pops each entry right after
+    it is stored (the tier mover evicting a step while the writer lists the run)."""
+
+    def __setitem__(self, step, rec):
+        super().__setitem__(step, rec)
+        self.pop(step)
+
+
+def test_a_listing_survives_entries_dropped_from_a_shared_cache(tmp_path):
+    # CI found this as a KeyError in retention's hold() while the tier mover evicted a step.
+    from stepvault.catalog import checkpoint_records
+    from stepvault.store import Store
+
+    root = tmp_path / "store"
+    _run(root, n=3)
+    store = Store.open(root)
+    cache = _EvictingCache()
+    assert [r.step for r in checkpoint_records(store, "r", cache)] == [0, 1, 2]
+    assert [r.step for r in checkpoint_records(store, "r", cache)] == [0, 1, 2]

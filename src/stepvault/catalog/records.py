@@ -74,11 +74,15 @@ def checkpoint_records(
     cache = {} if cache is None else cache
     whole = steps is None
     steps = list(store.list_steps(run)) if steps is None else list(steps)
-    missing = [s for s in steps if s not in cache]
+    # Our own step -> record view: another thread may drop entries from a shared ``cache``
+    # while we read (the tier mover pops the steps it evicts while the writer thread asks
+    # which steps retention must hold), and a listing must not fail on that.
+    found = {s: rec for s in steps if (rec := cache.get(s)) is not None}
+    missing = [s for s in steps if s not in found]
     if missing:
         summaries = SummaryCache(store, run)
         for step, data in store.read_manifests(run, missing):
-            cache[step] = record_of(run, step, data, summaries)
+            cache[step] = found[step] = record_of(run, step, data, summaries)
         if whole and len(missing) == len(steps):
             # Compacting keeps only the entries used: only after a listing of every step
             # (a page, or a listing that skipped cached steps, would drop the others).
@@ -87,7 +91,7 @@ def checkpoint_records(
     annotations = read_annotations(store, run)
     out = []
     for step in steps:
-        rec = cache[step]
+        rec = found[step]
         if step in annotations and rec.valid:
             rec = dataclasses.replace(
                 rec, metrics=merged_metrics(rec.metrics, annotations[step], rec.manifest_id)
