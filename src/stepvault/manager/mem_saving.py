@@ -38,6 +38,7 @@ from ..format import Manifest
 from ..format.record import CheckpointRecord
 from ..policy import CopyEvery, HotLast, TierAny, TierPolicy
 from ..store import Store
+from ..store.lease import Lease, MemoryFence
 from ..tiers.mem import MemTier
 from .options import MemOptions
 from .session import RunSession
@@ -103,6 +104,22 @@ def _estimate(host: dict[str, Any], chunk_size: int) -> int:
     return total + 4096 * chunks + 512 * len(host) + (64 << 10)
 
 
+def fence_memory(
+    mem: Store, mem_run: str, hot: Store, run: str, stamp: dict[str, Any] | None = None
+) -> None:
+    """Put node memory under the run's lease: every memory commit of ``mem_run`` carries
+    the lease epoch (the lease held here, else ``stamp``: rank 0's, on the other ranks),
+    and listings and restores of ``mem`` apply the fence rule with ``hot``'s fence records
+    of ``run`` (FORMAT.md §8): a stale writer's save that lands in its node's memory after
+    a takeover is never restored from there."""
+    lease = hot.fences.get(run)
+    if isinstance(lease, Lease):
+        mem.fences[mem_run] = lease.memory_fence()
+    elif stamp is not None:
+        mem.fences[mem_run] = MemoryFence(stamp)
+    mem.fence_source = (hot, run)
+
+
 class MemSaver:
     """Writes a save into the mem tier, applies ``MemLast`` and the budget, and says
     whether the save must also go to disk."""
@@ -117,6 +134,7 @@ class MemSaver:
     ) -> None:
         self.session = session
         self.mem = mem
+        fence_memory(mem.store, mem.run, session.store, session.run)
         rules = mem_rules(policy)
         self.keep, self.disk_every, self.disk_interval = (
             rules.keep,

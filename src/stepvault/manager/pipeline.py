@@ -156,6 +156,7 @@ def build_pipeline(
             scope.acquire_lease(store, run, opts.lease.stale_after),
             run,
             opts.lease.stale_after / 3,
+            event=session.event,
         )
         undo.callback(lease.release)
         best = tracked_best(keep, settings.best_metric, settings.best_mode)

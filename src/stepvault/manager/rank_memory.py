@@ -42,6 +42,7 @@ from ..engine import to_host
 from ..format import Manifest
 from ..policy import SaveDecision
 from ..state.snapshot import take_snapshot
+from ..store.lease import Lease
 from ..tiers.mem import (
     MemTier,
     mem_dir,
@@ -50,7 +51,7 @@ from ..tiers.mem import (
     remove_tier_dir,
     write_owner,
 )
-from .mem_saving import MemRun, MemSaver, _estimate
+from .mem_saving import MemRun, MemSaver, _estimate, fence_memory
 from .session import RunSession
 
 
@@ -109,6 +110,10 @@ class RankMemory:
             policy,
             cleanup=False,
         )
+        # Rank 0 holds the lease: every rank stamps its memory commits with its epoch.
+        lease = session.store.fences.get(session.run)
+        stamp = session.scope.share(lease.stamp() if isinstance(lease, Lease) else None)
+        fence_memory(self.tier.store, self.run, session.store, session.run, stamp)
         self.cleanup = cleanup
         self.node_mem = node_mem  # the node's mem tier of the run: unused under a group
         self.peers_root = mem_dir(node_mem.root, session.store, session.run) + "+peers"

@@ -24,6 +24,16 @@ owner) once another writer holds the run. How atomic the check is depends on the
 * other fsspec filesystems: the same steps as a check-then-act (no conditional writes).
 
 A lease found lost stays lost (:attr:`Lease.lost`): every later commit is refused at once.
+
+**Epochs close the window the S3 fence leaves** (a PUT that passed the guard but reaches the
+server after a takeover: a partition, a frozen VM). Every acquire or takeover starts a new
+lease *epoch* (one more than any before); every manifest committed under the lease carries
+``{"epoch", "token"}`` in its envelope (:func:`~.repository.stamp_manifest`). Before taking
+the lease the new holder lists the run's checkpoints, and right after, before it commits
+anything, it writes the fence record ``refs/fences/<run>/<epoch>.json`` naming them. Readers
+(:meth:`Store.list_steps <.repository.Store.list_steps>`, ``read_manifest``) drop a manifest
+stamped with an older epoch that the next epoch's record does not list: it landed after the
+takeover (FORMAT.md §8, "the fence rule").
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from typing import Any
 from ..errors import LeaseHeldError, LeaseLostError
 from .backend import PreconditionFailed
 from .names import validate_run_name
-from .repository import Store
+from .repository import Store, fence_key
 
 #: Default seconds without a heartbeat after which a lease counts as abandoned.
 DEFAULT_STALE_AFTER = 300.0
@@ -67,6 +77,8 @@ class Lease:
     run: str
     token: str
     stale_after: float
+    #: the lease epoch: one more than any earlier holder's (stamped into every commit)
+    epoch: int = 0
     #: the version (content hash, or S3 ETag) of the lease file this holder last wrote
     version: str | None = field(default=None, repr=False)
     #: set once another writer is found holding the run; every later commit raises it
@@ -87,7 +99,16 @@ class Lease:
             "pid": os.getpid(),
             "heartbeat": time.time(),
             "stale_after": self.stale_after,
+            "epoch": self.epoch,
         }
+
+    def stamp(self) -> dict[str, Any] | None:
+        """What every manifest committed under this lease records (FORMAT.md §8)."""
+        return {"epoch": self.epoch, "token": self.token}
+
+    def memory_fence(self) -> MemoryFence:
+        """The fence of this writer's commits into node memory (:class:`MemoryFence`)."""
+        return MemoryFence(self.stamp() or {}, self)
 
     def renew(self) -> None:
         """Refresh the heartbeat by compare-and-set on the version this holder last wrote.
@@ -202,6 +223,31 @@ class Lease:
         )
 
 
+@dataclass(frozen=True)
+class MemoryFence:
+    """The fence of a commit into node memory (a mem tier, a rank's own memory).
+
+    It stamps the memory manifest with the lease epoch (a restore then ignores a memory
+    checkpoint that the fence rule refuses: one committed under an epoch that was taken
+    over while its writer may still have been running, and not on disk at the takeover)
+    and refuses once the lease is known lost. It asks the store nothing: a memory commit
+    never waits on the network (``lease``: None on a rank that does not hold the lease).
+    """
+
+    epoch_stamp: dict[str, Any]
+    lease: Lease | None = None
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        lost = self.lease.lost if self.lease is not None else None
+        if self.lease is not None and lost is not None:
+            raise self.lease._refusal(what, lost.owner, None)
+        yield
+
+    def stamp(self) -> dict[str, Any] | None:
+        return dict(self.epoch_stamp) if self.epoch_stamp else None
+
+
 def lease_key(run: str) -> str:
     return f"refs/leases/{validate_run_name(run)}.json"
 
@@ -229,19 +275,32 @@ def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_
     """Take the writer lease of ``run`` or raise :class:`LeaseHeldError`.
 
     A stale lease is taken over by compare-and-set on the stale version read, so of two
-    processes taking it over at once exactly one wins (the other sees a fresh lease).
+    processes taking it over at once exactly one wins (the other sees a fresh lease). The
+    winner starts a new epoch and writes its fence record before returning (module
+    docstring): from then on a late commit of an earlier holder is no checkpoint.
     """
     lease = Lease(store, run, uuid.uuid4().hex, stale_after)
     backend = store.backend
     with backend.exclusive(lease.key):
         expected: str | None = None  # first try create-if-absent
+        current: dict[str, Any] | None = None
         for _ in range(5):
+            # Listed *before* the lease is taken: a commit of the old holder that lands
+            # after this listing is not in the record, so it does not count (that holder's
+            # last renewal was more than stale_after ago: it was late by the fence's terms).
+            visible = store.list_steps(run)
+            earlier = store.fence_records(run).current
+            if current is not None and type(current.get("epoch")) is int:
+                earlier = max(earlier, current["epoch"])
+            lease.epoch = earlier + 1
             data = json.dumps(lease._record()).encode()
             try:
                 lease.version = backend.replace_if(lease.key, [data], expected)
-                return lease
             except PreconditionFailed:
                 pass
+            else:
+                _write_fence_record(lease, current, visible)
+                return lease
             current, expected = lease._read()
             if current is None:
                 continue  # released meanwhile: create it
@@ -257,11 +316,52 @@ def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_
     raise LeaseHeldError(f"could not acquire the lease of run {run!r} (contention); retry")
 
 
+def _write_fence_record(lease: Lease, previous: dict[str, Any] | None, visible: list[int]) -> None:
+    """``refs/fences/<run>/<epoch>.json`` (create-only), right after the lease was taken and
+    before anything is committed under it. If it cannot be written the lease is given back:
+    without it an earlier holder's late commit would count."""
+    if previous is None:
+        ended = "released"  # no lease file: the last holder gave the run up (or none was)
+    elif previous.get("host") == socket.gethostname() and not pid_alive(
+        int(previous.get("pid", -1)) if isinstance(previous.get("pid"), int) else -1
+    ):
+        ended = "exited"  # its process is gone: it commits nothing more into node memory
+    else:
+        ended = "stale"  # heartbeat too old: it may still be running somewhere
+    record = {
+        "format": "stepvault-fence",
+        "version": 1,
+        "run": lease.run,
+        "epoch": lease.epoch,
+        "token": lease.token,
+        "owner": {"host": socket.gethostname(), "pid": os.getpid()},
+        "time": time.time(),
+        "previous": {
+            "epoch": (previous or {}).get("epoch") if previous is not None else None,
+            "ended": ended,
+            "host": (previous or {}).get("host"),
+            "pid": (previous or {}).get("pid"),
+        },
+        "visible": visible,
+    }
+    data = json.dumps(record, separators=(",", ":")).encode()
+    try:
+        lease.store.backend.put_atomic(
+            fence_key(lease.run, lease.epoch), [data], overwrite=False, durable=True
+        )
+        lease.store.backend.sync()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            lease.release()
+        raise
+
+
 __all__ = [
     "DEFAULT_STALE_AFTER",
     "Lease",
     "LeaseHeldError",
     "LeaseLostError",
+    "MemoryFence",
     "acquire_lease",
     "is_stale",
     "lease_key",

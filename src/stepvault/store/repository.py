@@ -9,6 +9,8 @@
       runs/<run>/checkpoints/<step>.json   committed manifests (the only source of truth)
       runs/<run>/checkpoints/<step>.sig    detached signature of a manifest (signed stores)
       refs/pins/  refs/holds/              checkpoints protected by users / by the registry
+      refs/leases/<run>.json               the run's writer lease (store/lease.py)
+      refs/fences/<run>/<epoch>.json       what was visible when lease epoch <epoch> began
       refs/registry/  events/              model registry and event log (upper layers)
       tmp/                                 in-flight writes; never read by restore
 
@@ -27,6 +29,7 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import (
@@ -57,6 +60,102 @@ class Fence(Protocol):
         """Held around making ``what`` visible; raises when this writer may not write."""
         ...
 
+    def stamp(self) -> dict[str, Any] | None:
+        """``{"epoch", "token"}`` recorded in the envelope of every manifest committed
+        under this fence (FORMAT.md §8, "the fence rule"); None: no stamp."""
+        ...
+
+
+def fence_key(run: str, epoch: int) -> str:
+    """``refs/fences/<run>/<epoch>.json``: the steps visible when lease epoch ``epoch``
+    began (written by its holder right after the takeover, before it commits anything)."""
+    return f"refs/fences/{validate_run_name(run)}/{int(epoch)}.json"
+
+
+def manifest_stamp(data: bytes) -> dict[str, Any] | None:
+    """The lease stamp in a manifest's envelope line (``{"epoch": int, "token": str}``), or
+    None (a manifest committed without a lease, or by a stepvault older than stamps)."""
+    head = data[: data.find(b"\n", 0, 4096)] if b"\n" in data[:4096] else b""
+    if b'"lease"' not in head:
+        return None
+    try:
+        lease = json.loads(head).get("lease")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    if (
+        isinstance(lease, dict)
+        and type(lease.get("epoch")) is int
+        and isinstance(lease.get("token"), str)
+    ):
+        return {"epoch": lease["epoch"], "token": lease["token"]}
+    return None
+
+
+def stamp_manifest(data: bytes, stamp: dict[str, Any]) -> bytes:
+    """``data`` with ``stamp`` in its envelope line. The body and its checksum are unchanged
+    (readers, summaries and object lists key on the body); a manifest that already carries
+    a stamp keeps it (a copy between tiers or a rewrite keeps the epoch it was made in)."""
+    head, sep, body = data.partition(b"\n")
+    if not sep or manifest_stamp(data) is not None:
+        return data
+    try:
+        envelope = json.loads(head)
+    except ValueError:
+        return data  # not a manifest envelope: the reader refuses it as it is
+    if not isinstance(envelope, dict):
+        return data
+    envelope["lease"] = {"epoch": int(stamp["epoch"]), "token": str(stamp["token"])}
+    return json.dumps(envelope, separators=(",", ":")).encode() + b"\n" + body
+
+
+@dataclass(frozen=True)
+class FenceRecords:
+    """The fence records of one run (``refs/fences/<run>/``): which lease epochs began, and
+    what was visible when each began. Decides whether a stamped manifest counts (the fence
+    rule, FORMAT.md §8): one stamped with epoch ``e`` is a checkpoint unless a later epoch
+    began and the first such epoch's record does not list its step — it landed after that
+    takeover (a stale writer's commit in flight through a partition, or a frozen process)."""
+
+    records: dict[int, dict[str, Any]]
+
+    @property
+    def epochs(self) -> list[int]:
+        return sorted(self.records)
+
+    @property
+    def current(self) -> int:
+        return max(self.records, default=0)
+
+    def refusal(
+        self, step: int, stamp: dict[str, Any] | None, *, memory: bool = False
+    ) -> str | None:
+        """Why a manifest of ``step`` with ``stamp`` is not a checkpoint; None when it is.
+
+        ``memory``: a node-memory copy, checked by the same rule, except that an epoch
+        whose holder had exited or released the run (no process of it left to commit late)
+        keeps its memory checkpoints across the takeovers that followed that end."""
+        if stamp is None:
+            return None  # no lease, or written before stamps: valid as ever
+        epoch = stamp["epoch"]
+        later = [e for e in self.records if e > epoch]
+        if not later:
+            return None
+        first = min(later)
+        record = self.records[first]
+        if step in set(record.get("visible") or []):
+            return None
+        if memory and all(
+            (self.records[e].get("previous") or {}).get("ended") in ("released", "exited", None)
+            for e in later
+        ):
+            return None
+        owner = record.get("owner") or {}
+        return (
+            f"landed after takeover by {owner.get('host', '?')} pid {owner.get('pid', '?')} "
+            f"(lease epoch {first}; this manifest was committed under epoch {epoch}, whose "
+            "writer had lost the run)"
+        )
+
 
 def backend_for(root: str | os.PathLike[str] | Backend, **storage_options: Any) -> Backend:
     """Pick the backend for ``root``: a Backend instance, a local path or ``file://`` URL
@@ -86,6 +185,18 @@ class Store:
         #: this store is checked against the lease's token, atomically with the rename or
         #: conditional write where the backend allows (set by the manager, store/lease.py)
         self.fences: dict[str, Fence] = {}
+        #: where the fence records of this store's runs live, as ``(store, run)``: None for
+        #: a store that holds its own (``refs/fences/``); a node-memory tier names the hot
+        #: store and its run there, so a memory copy obeys the same rule as the disk
+        self.fence_source: tuple[Store, str] | None = None
+        #: fence records read so far, ``(run, epoch) -> record`` (immutable once written)
+        self._fence_cache: dict[tuple[str, int], dict[str, Any]] = {}
+        #: stamps of manifests known here, ``(run, step) -> stamp`` (this store's commits and
+        #: envelopes read): a listing reads only the envelopes of steps it has not seen
+        self._stamps: dict[tuple[str, int], dict[str, Any] | None] = {}
+        #: ``(run, step, reason)`` of late manifests this store's commits removed (the
+        #: manager logs them as ``stale_commit_removed`` events)
+        self.stale_removed: list[tuple[str, int, str]] = []
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
@@ -225,25 +336,134 @@ class Store:
         return runs
 
     def list_steps(self, run: str) -> list[int]:
-        """Committed steps of ``run`` in ascending order."""
+        """Committed steps of ``run`` in ascending order: every manifest present except the
+        ones the fence rule refuses (:meth:`stale_commits`: landed after a takeover)."""
+        steps = self.listed_steps(run)
+        if not steps:
+            return steps
+        stale = self.stale_commits(run, steps)
+        return [s for s in steps if s not in stale] if stale else steps
+
+    def listed_steps(self, run: str) -> list[int]:
+        """Every step with a manifest file, late ones included (what :meth:`list_steps`
+        filters; for the owner's removal of late manifests and for diagnostics)."""
         names = self.backend.list(f"runs/{validate_run_name(run)}/checkpoints")
         return sorted(int(m.group(1)) for n in names if (m := _STEP_FILE.match(n)))
+
+    # -- the fence rule (FORMAT.md §8): manifests that landed after a takeover -------------
+    def fence_records(self, run: str) -> FenceRecords:
+        """The fence records of ``run`` (of :attr:`fence_source` where set): one listing,
+        and a read of each record not seen before (records never change)."""
+        if self.fence_source is not None and self.fence_source[0] is not self:
+            source, source_run = self.fence_source
+            return source.fence_records(source_run)
+        names = self.backend.list(f"refs/fences/{validate_run_name(run)}")
+        records: dict[int, dict[str, Any]] = {}
+        for name in names:
+            m = _STEP_FILE.match(name)
+            if not m:
+                continue
+            epoch = int(m.group(1))
+            record = self._fence_cache.get((run, epoch))
+            if record is None:
+                try:
+                    record = json.loads(self.backend.read_bytes(fence_key(run, epoch)))
+                except FileNotFoundError:
+                    continue
+                except ValueError:
+                    # A damaged record: treat it as listing nothing (stricter, never looser)
+                    record = {"epoch": epoch, "visible": [], "damaged": True}
+                if not isinstance(record, dict):
+                    record = {"epoch": epoch, "visible": [], "damaged": True}
+                self._fence_cache[(run, epoch)] = record
+            records[epoch] = record
+        return FenceRecords(records)
+
+    def stale_commits(self, run: str, steps: Sequence[int] | None = None) -> dict[int, str]:
+        """``step -> reason`` for each manifest of ``run`` that the fence rule refuses: it
+        was committed under a lease epoch that another writer had taken over, and it was not
+        visible when that takeover happened (a late commit). Stores without fence records
+        (no lease ever, older stores) have none: this costs one listing there."""
+        fences = self.fence_records(run)
+        if len(fences.records) < 2:
+            # Every epoch writes its record before it commits: with one record (or none)
+            # no manifest can carry an older epoch than it.
+            return {}
+        steps = self.listed_steps(run) if steps is None else list(steps)
+        covered = set(fences.records[fences.current].get("visible") or [])
+        for step in steps:
+            if (run, step) in self._stamps or step in covered:
+                continue
+            # Only the envelope line (a few hundred bytes): the steps committed since the
+            # newest takeover that this store has not seen yet.
+            try:
+                head = self.backend.read_range(self.manifest_key(run, step), 0, 4096)
+            except OSError:
+                continue  # unreadable: the listing's readers report it as they did
+            self._stamps[(run, step)] = manifest_stamp(head)
+        memory = self.fence_source is not None
+        out = {}
+        for step in steps:
+            if (run, step) not in self._stamps:
+                continue  # listed at the newest takeover (valid there), or unreadable
+            reason = fences.refusal(step, self._stamps[(run, step)], memory=memory)
+            if reason is not None:
+                out[step] = reason
+        return out
+
+    def _refusal_of(self, run: str, step: int, data: bytes) -> str | None:
+        """Why the manifest ``data`` of ``run@step`` is not a checkpoint (fence rule)."""
+        stamp = manifest_stamp(data)
+        self._stamps[(run, step)] = stamp
+        if stamp is None:
+            return None
+        fence = self.fences.get(run)
+        own = getattr(fence, "stamp", None)
+        if own is not None and getattr(fence, "lost", None) is None and own() == stamp:
+            return None  # this writer's own commit (it still holds the lease it names)
+        return self.fence_records(run).refusal(step, stamp, memory=self.fence_source is not None)
+
+    def _read_raw(self, run: str, steps: Sequence[int]) -> Iterator[tuple[int, bytes | OSError]]:
+        folder = f"runs/{validate_run_name(run)}/checkpoints"
+        names = [f"{validate_step(s)}.json" for s in steps]
+        return zip(steps, self.backend.read_many(folder, names))
 
     def read_manifests(
         self, run: str, steps: Sequence[int]
     ) -> Iterator[tuple[int, bytes | CheckpointNotFoundError | ManifestError]]:
         """``(step, manifest bytes)`` for each step, in order; the error instead where a
         manifest cannot be read (as :meth:`read_manifest` would raise it)."""
-        folder = f"runs/{validate_run_name(run)}/checkpoints"
-        names = [f"{validate_step(s)}.json" for s in steps]
-        for step, data in zip(steps, self.backend.read_many(folder, names)):
-            yield step, self._manifest_error(run, step, data) if isinstance(data, OSError) else data
+        fences: FenceRecords | None = None
+        for step, data in self._read_raw(run, steps):
+            if isinstance(data, OSError):
+                yield step, self._manifest_error(run, step, data)
+                continue
+            stamp = self._stamps[(run, step)] = manifest_stamp(data)
+            if stamp is not None:
+                fences = self.fence_records(run) if fences is None else fences
+                reason = fences.refusal(step, stamp, memory=self.fence_source is not None)
+                if reason is not None:
+                    yield step, self._late_error(run, step, reason)
+                    continue
+            yield step, data
 
     def read_manifest(self, run: str, step: int) -> bytes:
+        """The manifest of ``run@step``; :class:`CheckpointNotFoundError` when there is none
+        or the one there landed after a takeover (the fence rule: it is no checkpoint)."""
         try:
-            return self.backend.read_bytes(self.manifest_key(run, step))
+            data = self.backend.read_bytes(self.manifest_key(run, step))
         except OSError as exc:
             raise self._manifest_error(run, step, exc) from None
+        reason = self._refusal_of(run, step, data)
+        if reason is not None:
+            raise self._late_error(run, step, reason)
+        return data
+
+    def _late_error(self, run: str, step: int, reason: str) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(
+            f"no committed checkpoint {run}@{step} in {self.backend.url}: the manifest there "
+            f"{reason}; it is not part of the run (the owner removes it)"
+        )
 
     def _manifest_error(
         self, run: str, step: int, exc: OSError
@@ -267,6 +487,50 @@ class Store:
         """
         key = self.manifest_key(run, step)
         fence = self.fences.get(run)
+        stamp = getattr(fence, "stamp", None)
+        stamp = stamp() if stamp is not None else None
+        if stamp is not None:
+            # The commit records its lease epoch: readers drop it if it lands after a
+            # takeover (FORMAT.md §8, the fence rule).
+            data = stamp_manifest(data, stamp)
+        try:
+            self._commit(run, step, key, data, fence, overwrite=overwrite)
+        except CheckpointExistsError:
+            # A manifest of this step that landed after this writer's takeover (the old
+            # owner's commit in flight): not a checkpoint, so it must not block this one.
+            if stamp is None or not self._remove_late(run, step):
+                raise
+            self._commit(run, step, key, data, fence, overwrite=overwrite)
+        self._stamps[(run, step)] = manifest_stamp(data)
+
+    def _remove_late(self, run: str, step: int) -> bool:
+        """Delete the manifest of ``run@step`` if the fence rule refuses it (under this
+        writer's fence); True when it was removed."""
+        try:
+            data = self.backend.read_bytes(self.manifest_key(run, step))
+        except OSError:
+            return False
+        reason = self._refusal_of(run, step, data)
+        if reason is None:
+            return False
+        self.delete_manifest(run, step)
+        self.stale_removed.append((run, step, reason))
+        return True
+
+    def remove_stale_commits(self, run: str) -> list[tuple[int, str]]:
+        """The owner's clean-up: delete every manifest of ``run`` that the fence rule refuses
+        (under this writer's fence); ``(step, reason)`` of each removed."""
+        removed = []
+        for step, reason in sorted(self.stale_commits(run).items()):
+            with contextlib.suppress(FileNotFoundError):
+                self.delete_manifest(run, step)
+            self.stale_removed.append((run, step, reason))
+            removed.append((step, reason))
+        return removed
+
+    def _commit(
+        self, run: str, step: int, key: str, data: bytes, fence: Fence | None, *, overwrite: bool
+    ) -> None:
         guard = fence.guard(f"the commit of {run}@{step}") if fence is not None else None
         signer = self.signer
         try:
@@ -293,6 +557,7 @@ class Store:
         fence = self.fences.get(run)  # a writer that lost the run deletes nothing of it
         with fence.guard(f"deleting {run}@{step}") if fence else contextlib.nullcontext():
             self.backend.delete(self.manifest_key(run, step))
+        self._stamps.pop((run, step), None)
         self.backend.sync()
         self.backend.delete(self.signature_key(run, step))
 

@@ -230,6 +230,7 @@ def with_mem_tier(store: Store, run: str, mem_root: str | None = None) -> Store:
         if not os.path.isdir(path):
             return store
         mem = Store.open(LocalBackend(path))
+        mem.fence_source = (hot, run)  # the run's fence rule applies to memory copies too
         if not mem.list_steps(run):
             return store
     except (StepvaultError, OSError):
