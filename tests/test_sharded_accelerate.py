@@ -109,3 +109,51 @@ def test_accelerate_deepspeed_killed_damaged_and_resumed_is_bitwise(tmp_path):
     assert want.keys() == got.keys()
     differ = [k for k in want if not torch.equal(want[k], got[k])]
     assert not differ, differ
+
+
+FSDP1_SCRIPT = Path(__file__).parent / "scripts" / "accelerate_fsdp1_train.py"
+
+
+@pytest.mark.extended
+def test_accelerate_fsdp1_killed_damaged_and_resumed_is_bitwise(tmp_path):
+    """Accelerate with an FSDP1 plugin (``FullyShardedDataParallel``, original parameters):
+    every rank saves its shards through AcceleratorCheckpointer (asynchronously); the job is
+    SIGKILLed after a committed checkpoint, the newest is damaged, and the rerun falls back
+    on every rank, crosses an epoch boundary and ends bitwise equal to an uninterrupted run:
+    weights, both Adam moments (loaded into the live optimizer, not an empty template),
+    the scheduler's LR, accelerator.step and every rank's RNG. The 2-rank checkpoint then
+    restores into the plain module in one process."""
+    import signal
+
+    from ddp_util import kill_job_when_saved
+    from integration_util import damage_newest
+
+    common = ["--orig-params"]
+    ref_out = tmp_path / "ref.pt"
+    out = run_job(torchrun(FSDP1_SCRIPT, *common, "--root", str(tmp_path / "ref"), "--out",
+                           str(ref_out)))  # fmt: skip
+    assert "FRESH" in out and "DONE" in out
+    root = tmp_path / "store"
+    cmd = torchrun(FSDP1_SCRIPT, *common, "--root", str(root), "--step-sleep", "0.2")
+    steps, status = kill_job_when_saved(cmd, root, "accfsdp1", min_step=12)
+    assert status == -signal.SIGKILL and steps[-1] < 20, (status, steps)
+    manifest = stepvault.open(root).manifest("accfsdp1", steps[-1])
+    assert manifest.sharded and manifest.metadata["framework"] == "accelerate"
+    damaged = damage_newest(root, "accfsdp1")
+    before = steps[-2]
+    assert before < 16  # the resume crosses the epoch boundary at 16
+    final = tmp_path / "final.pt"
+    out = run_job(torchrun(FSDP1_SCRIPT, *common, "--root", str(root), "--out", str(final)))
+    assert f"RESUMED {before} epoch={before // 8} skipped=1" in out, (damaged, out)
+    want, got = torch.load(ref_out), torch.load(final)
+    assert want.keys() == got.keys() and any(k.endswith(".exp_avg_sq") for k in want)
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, differ
+
+    # 2 ranks -> 1 process: the FSDP1 checkpoint restores into the plain module
+    spec = importlib.util.spec_from_file_location("accelerate_fsdp1_train", FSDP1_SCRIPT)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    plain = worker.build()
+    stepvault.restore(root, {"model": plain}, run="accfsdp1", step=20, strict=False)
+    assert all(torch.equal(t, want[n]) for n, t in plain.state_dict().items())

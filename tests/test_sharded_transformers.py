@@ -1,5 +1,5 @@
 """The Hugging Face Trainer with a sharded model saving through stepvault (INTEGRATIONS.md
-"Hugging Face Transformers"): DeepSpeed ZeRO-2/3 and FSDP2.
+"Hugging Face Transformers"): DeepSpeed ZeRO-2/3, FSDP2 and FSDP1.
 
 Real 2-process jobs under torchrun (gloo, CPU), the Trainer itself training a tiny GPT-2
 (tests/scripts/transformers_sharded_train.py): 5 optimizer steps an epoch, checkpoints
@@ -122,16 +122,19 @@ def _damage_rank1(store: Path, step: int, prefix: str) -> None:
     raise AssertionError(f"no object of rank 1 under {prefix!r} in gpt@{step}")
 
 
-def test_fsdp1_is_refused_saying_why(tmp_path):
-    # one process (no torchrun: the refusal comes before any collective)
+def test_fsdp1_in_one_process_is_refused_naming_torchrun(tmp_path):
+    # FSDP1 is saved collectively (every rank its shards): one process (no torchrun) is
+    # refused when train() starts, before any collective, saying what to run instead
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--shard", "fsdp2", "--root", str(tmp_path),
+        [sys.executable, str(SCRIPT), "--shard", "fsdp1", "--root", str(tmp_path),
          "--fsdp1-refused"],
         capture_output=True, text=True, timeout=300, env=_env(),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "REFUSED the stepvault Trainer integration supports FSDP2 only" in done.stdout
-    assert "fresh, empty template" in done.stdout  # why, and what to use
+    assert "REFUSED the stepvault Trainer integration saves a fsdp1 job collectively" in (
+        done.stdout
+    )
+    assert "torchrun --nproc_per_node N" in done.stdout  # what to run instead
     assert not (tmp_path / "runs").exists()  # nothing written to the store
 
 
@@ -230,3 +233,26 @@ def test_fsdp2_sigkill_damaged_shard_fallback_and_from_pretrained_export(tmp_pat
     # The sharded checkpoint as a model folder (one tensor at a time), loaded by
     # from_pretrained: the job's final weights
     _export_loads_final(store, tmp_path / "export", torch.load(straight))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_fsdp1_sigkill_damaged_shard_fallback_bitwise_and_from_pretrained_export(tmp_path):
+    """FSDP1 (``fsdp="full_shard"``, ``fsdp_config={"version": 1}``, flat parameters, each
+    GPT-2 block wrapped): every rank saves its shards (DTensors, see integrations/_fsdp1.py)
+    asynchronously; killed after 8, a shard only rank 1 wrote damaged, the rerun falls back
+    to 4 on both ranks and ends bitwise equal to the uninterrupted job, Adam moments
+    included (the Trainer's own FSDP1 resume loads the optimizer into an empty template)."""
+    common = ["--shard", "fsdp1", "--max-steps", "12", "--save-every", "4"]
+    straight = tmp_path / "straight.pt"
+    _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
+
+    store = tmp_path / "store"
+    _run_and_kill(*common, "--root", str(store), "--hold-after", "8")
+    _damage_rank1(store, 8, "model.")  # a weight shard only rank 1 holds
+    out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"))
+    assert "RESUMED 4 skipped=1" in out, out[-3000:]
+    final = torch.load(straight)
+    assert len([k for k in final if k.startswith("exp_avg_sq.")]) > 10  # the moments too
+    _same(tmp_path / "sv.pt", straight)
+    _export_loads_final(store, tmp_path / "export", final)

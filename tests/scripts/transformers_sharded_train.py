@@ -7,7 +7,8 @@ A tiny GPT-2 (built here, no download; dropout on, so every rank's RNG matters) 
 by the Trainer itself on 40 token rows, 4 per device: 5 optimizer steps an epoch on 2
 ranks, so a run of 12 steps crosses two epoch boundaries. ``--shard zero2|zero3``:
 DeepSpeed ZeRO through ``TrainingArguments(deepspeed=...)``; ``--shard fsdp2``: FSDP2
-through ``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``.
+through ``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``; ``--shard fsdp1``: FSDP1
+(flat parameters) through ``fsdp="full_shard"``, ``fsdp_config={"version": 1}``.
 
 ``--backend stepvault`` checkpoints through :class:`StepvaultTrainer` +
 :class:`StepvaultCallback` (``Every(steps=--save-every)``); ``--backend native`` through
@@ -107,6 +108,10 @@ def _cpu_fsdp2() -> None:
             PartialState().distributed_type = DistributedType.FSDP
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
+            if getattr(fsdp_plugin, "fsdp_version", 1) == 1:
+                # FSDP1 compares its device_id (Accelerate's "cpu:<local rank>") with the
+                # parameters' device ("cpu") and refuses the difference
+                PartialState().device = self.device = torch.device("cpu")
 
     AcceleratorState.__init__ = init  # type: ignore[method-assign]
 
@@ -173,7 +178,8 @@ def _final(trainer: Trainer, shard: str) -> dict[str, torch.Tensor]:
 
 
 def _fsdp1_refused(root: str) -> int:
-    """One process, FSDP1: StepvaultTrainer refuses it when train() starts (prints why)."""
+    """One process, FSDP1: StepvaultTrainer refuses it when train() starts (a sharded job
+    saves collectively, on 2 or more ranks); prints why."""
     from stepvault.errors import StepvaultError
 
     _cpu_fsdp2()
@@ -198,7 +204,7 @@ def _fsdp1_refused(root: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--shard", choices=["zero2", "zero3", "fsdp2"], required=True)
+    p.add_argument("--shard", choices=["zero2", "zero3", "fsdp2", "fsdp1"], required=True)
     p.add_argument("--backend", choices=["stepvault", "native"], default="stepvault")
     p.add_argument("--root", required=True, help="the store (stepvault) or output_dir")
     p.add_argument("--max-steps", type=int, default=12)
@@ -207,7 +213,7 @@ def main() -> int:
     p.add_argument("--hold-after", type=int, default=0)
     p.add_argument("--pid-dir", default="")
     p.add_argument("--final", default="")
-    p.add_argument("--fsdp1-refused", action="store_true", help="one process, FSDP1")
+    p.add_argument("--fsdp1-refused", action="store_true", help="one process, FSDP1: refused")
     p.add_argument("--on-signal", action="store_true", help="the policy also saves on SIGTERM")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
     args = p.parse_args()
@@ -242,10 +248,19 @@ def main() -> int:
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10_000,
         }
-    else:
+    elif args.shard == "fsdp2":
         _cpu_fsdp2()
         options["fsdp"] = True
         options["fsdp_config"] = {"version": 2, "reshard_after_forward": True}
+    else:  # FSDP1, flat parameters (use_orig_params=False), each GPT-2 block wrapped
+        _cpu_fsdp2()
+        options["fsdp"] = "full_shard"
+        options["fsdp_config"] = {
+            "version": 1,
+            "use_orig_params": False,
+            "sync_module_states": False,  # FSDP1 syncs module states on a GPU only
+            "transformer_layer_cls_to_wrap": ["GPT2Block"],
+        }
     training_args = TrainingArguments(**options)
     callbacks: list = []
     ckpt = None
@@ -273,6 +288,10 @@ def main() -> int:
         from torch.distributed.tensor import DTensor
 
         assert any(isinstance(q, DTensor) for q in trainer.model.parameters()), "not sharded"
+    if args.shard == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        assert len(FSDP.fsdp_modules(trainer.model)) == 3, "not FSDP1-wrapped"  # root, 2 blocks
     final = _final(trainer, args.shard)
     if args.final and rank == 0:
         torch.save(final, args.final)

@@ -31,16 +31,20 @@ torch, CUDA), ``accelerator.step`` and each object registered with
 plus the ``extra`` values you pass. With several processes (DDP under ``accelerate launch``
 or ``torchrun``) every rank calls these together, as it calls ``accelerator.save_state``:
 replicated tensors are written once, each rank's RNG state is kept apart, and the
-checkpoint is committed only once every rank has written its part. With an FSDP2 plugin
-(``FullyShardedDataParallelPlugin(fsdp_version=2)``) the prepared models and optimizers are
-sharded (DTensors): every rank writes and restores its own shards, and the checkpoint
-restores on another number of ranks or in one process. With a DeepSpeed plugin (ZeRO 1/2/3)
-:class:`AcceleratorCheckpointer` saves and resumes the prepared model's DeepSpeed engine
-through :class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer` (every rank its own
-ZeRO partitions, one collective checkpoint), with the schedulers, stateful loaders,
+checkpoint is committed only once every rank has written its part. With an FSDP plugin
+(``FullyShardedDataParallelPlugin(fsdp_version=2)``, or FSDP1 with FULL_SHARD or
+SHARD_GRAD_OP, flat or original parameters) the prepared models and optimizers are sharded:
+every rank writes and restores its own shards (DTensors; FSDP1 is given the 1-D world
+device mesh that makes its state dicts DTensors), the optimizer's moments are loaded into
+the live optimizer (not into an empty template, as Accelerate's own FSDP1 ``load_state``
+does), and the checkpoint restores on another number of ranks or in one process. With a
+DeepSpeed plugin (ZeRO 1/2/3) :class:`AcceleratorCheckpointer` saves and resumes the
+prepared model's DeepSpeed engine through
+:class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer` (every rank its own ZeRO
+partitions, one collective checkpoint), with the schedulers, stateful loaders,
 registered objects, ``accelerator.step``, ``extra`` and every rank's RNGs beside; the
-one-shot :func:`save_state`/:func:`load_state` refuse it. FSDP1 and Megatron-LM
-configurations are refused, saying why and what to use. Accelerate's own
+one-shot :func:`save_state`/:func:`load_state` refuse it. Megatron-LM configurations, and
+FSDP1's hybrid and NO_SHARD strategies, are refused, saying why and what to use. Accelerate's own
 ``register_save_state_pre_hook`` / ``register_load_state_pre_hook`` only change how model
 weights are written next to pickled optimizer and RNG files in a folder, so they are not
 used (and not called).
@@ -53,6 +57,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
 from ._common import missing_framework
+from ._fsdp1 import give_world_mesh, is_fsdp1
 from ._staging import StagingPreparer
 
 try:
@@ -92,6 +97,13 @@ def accelerator_state(
     _check_distributed_type(accelerator)
     state: dict[str, Any] = {}
     for i, model in enumerate(accelerator._models):
+        if _kind(accelerator) == "FSDP" and is_fsdp1(model):
+            # FSDP1: the wrapper itself, whose state dicts are each rank's shards keyed by
+            # the model's own names (DTensors once it has the world mesh, see _fsdp1.py)
+            give_world_mesh(model, "the stepvault Accelerate integration")
+            _check_fsdp1_optimizers(accelerator, model)
+            state[_name("model", i)] = model
+            continue
         # Unwrapped, so that keys have no "module." prefix and the checkpoint loads (and
         # exports) the same whatever wrapper the next run uses.
         state[_name("model", i)] = accelerator.unwrap_model(model)
@@ -115,6 +127,23 @@ def accelerator_state(
     return state
 
 
+def _check_fsdp1_optimizers(accelerator: Accelerator, model: Any) -> None:
+    """Refuse an optimizer made before FSDP1 wrapped the model: its parameters are the
+    replaced originals (Accelerate remaps them only for ``use_orig_params=True``), so it
+    trains nothing the model holds and its state cannot be keyed by parameter name."""
+    live = {id(p) for p in model.parameters()}
+    for i, opt in enumerate(accelerator._optimizers):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if len(accelerator._models) == 1 and any(id(p) not in live for p in params):
+            raise StepvaultError(
+                f"optimizer {i} does not hold the parameters of the FSDP1 model (it was "
+                "created before accelerator.prepare wrapped the model, which replaced them "
+                "with flat parameters): prepare the model first, then create the optimizer "
+                "from model.parameters() and prepare it (Accelerate's FSDP1 recipe), or set "
+                "use_orig_params=True"
+            )
+
+
 #: Accelerate's sharding engines: their models and optimizers are not what
 #: ``unwrap_model`` and the optimizer's ``state_dict`` return on one rank.
 _REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
@@ -133,23 +162,17 @@ def _check_distributed_type(accelerator: Accelerator) -> None:
             "partitions only the engine saves and loads. Use AcceleratorCheckpointer, which "
             "drives the engine's own save and load through stepvault on every rank"
         )
-    if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
-        # FSDP2: the prepared models are fully_shard modules (DTensor parameters) and every
-        # rank saves and restores its own shards through the collective manager.
-        return
     if kind == "FSDP":
-        raise StepvaultError(
-            "the stepvault Accelerate integration supports FSDP2 only "
-            "(FullyShardedDataParallelPlugin(fsdp_version=2), or fsdp_version: 2 in the "
-            "accelerate config): FSDP1's flat parameters are not the model's and its "
-            "ShardedTensor optimizer state does not load back through "
-            "torch.distributed.checkpoint in torch 2.13"
-        )
+        # FSDP2: the prepared models are fully_shard modules (DTensor parameters); FSDP1:
+        # FullyShardedDataParallel wrappers, given the world mesh that makes their state
+        # dicts DTensors (_fsdp1.py). Every rank saves and restores its own shards through
+        # the collective manager (get_state_dict/set_state_dict, not Accelerate's loader).
+        return
     if kind in _REFUSED:
         raise StepvaultError(
             f"the stepvault Accelerate integration does not support {kind}: it shards or "
             "wraps the model and optimizer in ways this integration does not save or "
-            "restore. Use DDP, FSDP2 (fsdp_version=2) or DeepSpeed "
+            "restore. Use DDP, FSDP (fsdp_version=2, or FSDP1) or DeepSpeed "
             "(AcceleratorCheckpointer); for another sharded model, put the model and "
             "optimizer in a stepvault.CheckpointManager state called on every rank "
             "(see INTEGRATIONS.md)"

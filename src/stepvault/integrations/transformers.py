@@ -26,13 +26,14 @@ Under DDP (``torchrun --nproc_per_node N``) the world process zero writes the ch
 into it, takes the save decisions for all ranks, and chooses the checkpoint every rank
 resumes from.
 
-With DeepSpeed (ZeRO 1/2/3) or FSDP2 the model and optimizer are sharded: every rank holds
-a collective manager and writes its own shards into one checkpoint (DeepSpeed's files
+With DeepSpeed (ZeRO 1/2/3), FSDP2 or FSDP1 the model and optimizer are sharded: every rank
+holds a collective manager and writes its own shards into one checkpoint (DeepSpeed's files
 through :class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer`'s checkpoint
-engine; the FSDP2 DTensor shards through the collective path). A resume chooses the
-checkpoint before the Trainer builds the engine or shards the model (every rank verifies
-its share of the candidate's objects, the ranks agree, damage anywhere falls back on every
-rank), then loads exactly that step once they exist. FSDP1 is refused.
+engine; the FSDP DTensor shards through the collective path; FSDP1 is given the 1-D world
+device mesh that makes its state DTensors, see _fsdp1.py). A resume chooses the
+checkpoint before the Trainer builds the engine or shards the model (rank 0 proposes, the
+ranks agree), then loads exactly that step once they exist; the load verifies what it
+reads, and damage anywhere falls back on every rank.
 
 Hooks overridden (Transformers 5.x): ``_save_checkpoint``, ``_load_from_checkpoint``,
 ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``,
@@ -137,7 +138,7 @@ class StepvaultCallback(TrainerCallback):
         self._opened = False
         self._signals = PolicySignals(save) if save is not None else None
         self._prepare_staging = StagingPreparer()
-        #: set by StepvaultTrainer for DeepSpeed and FSDP2: every rank holds a collective
+        #: set by StepvaultTrainer for DeepSpeed and FSDP: every rank holds a collective
         #: manager (each writes its own shards) and asks it every question together
         self.collective = False
 
@@ -270,7 +271,8 @@ class StepvaultTrainerMixin(_TrainerBase):
     """
 
     _stepvault_resume: tuple[str, dict[str, Any]] | None = None
-    #: "deepspeed" or "fsdp2" while a sharded job trains (every rank saves its shards)
+    #: "deepspeed", "fsdp2" or "fsdp1" while a sharded job trains (every rank saves its
+    #: shards)
     _stepvault_sharding: str | None = None
     #: the DeepSpeed engine's checkpointer (DeepSpeed jobs, once the engine exists)
     _stepvault_ds: Any = None
@@ -285,22 +287,13 @@ class StepvaultTrainerMixin(_TrainerBase):
         )
 
     def _stepvault_sharded_mode(self) -> str | None:
-        """``"deepspeed"``, ``"fsdp2"`` or None (DDP / one process); FSDP1 is refused."""
+        """``"deepspeed"``, ``"fsdp2"``, ``"fsdp1"`` or None (DDP / one process)."""
         if self.is_deepspeed_enabled:
             return "deepspeed"
         if not self.is_fsdp_enabled:
             return None
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if getattr(plugin, "fsdp_version", 1) != 2:
-            raise StepvaultError(
-                "the stepvault Trainer integration supports FSDP2 only "
-                '(fsdp_config={"version": 2}, the default): FSDP1\'s flat parameters are not the '
-                "model's, its ShardedTensor optimizer state does not load back through "
-                "torch.distributed.checkpoint in torch 2.13, and the Trainer's own FSDP1 "
-                "sharded resume loads the optimizer into a fresh, empty template; see "
-                "INTEGRATIONS.md"
-            )
-        return "fsdp2"
+        return "fsdp2" if getattr(plugin, "fsdp_version", 1) == 2 else "fsdp1"
 
     def _stepvault_check(self) -> None:
         args = self.args
@@ -559,6 +552,10 @@ class StepvaultTrainerMixin(_TrainerBase):
             self._stepvault_ds = ds
             cb.adopt(ds.manager)
         else:
+            if mode == "fsdp1":  # its state dicts as DTensors, as with device_mesh= (_fsdp1.py)
+                from ._fsdp1 import give_world_mesh
+
+                give_world_mesh(model, "the stepvault Trainer integration")
             cb.adopt(
                 CheckpointManager(
                     cb.root,
@@ -574,7 +571,7 @@ class StepvaultTrainerMixin(_TrainerBase):
         return model, loader
 
     def _stepvault_sharded_state(self) -> dict[str, Any]:
-        """FSDP2: what every rank saves and restores (its shards of the model and of the
+        """FSDP2 / FSDP1: what every rank saves and restores (its shards of the model and of the
         optimizer's moments, its own RNG; the replicated values written once)."""
         scaler = getattr(self.accelerator, "scaler", None)
         state: dict[str, Any] = {
@@ -770,7 +767,10 @@ def _model_class(model: Any) -> type:
     """The model's own class: FSDP2's ``fully_shard`` swaps in a subclass named
     ``FSDP<name>``; ``architectures`` and exports name the model's."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    while isinstance(model, FSDP):  # FSDP1 wraps the model
+        model = model.module
     cls = type(model)
     if isinstance(model, FSDPModule):
         cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
