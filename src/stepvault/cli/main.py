@@ -355,6 +355,10 @@ def export_cmd(
             "folder (weights + attachments + card), safetensors (weights only).",
         ),
     ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(help="config.json (or its folder) of an HF export; implies --format hf."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Export a checkpoint: a deployable model folder, or weights as safetensors."""
@@ -377,6 +381,7 @@ def export_cmd(
                 max_shard_size=max_shard_size,
                 quantize=quantize,
                 progress=bars.task(f"export {ref}"),
+                config=config,
             )
     except (StepvaultError, ValueError, OSError) as exc:
         return _fail(exc)

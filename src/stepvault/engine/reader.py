@@ -380,3 +380,10 @@ class CheckpointReader:
         """Drop cached objects (the tensors already handed out stay valid)."""
         self._objects.clear()
         self._partial.clear()
+
+    def drop(self, digests: Iterable[str]) -> None:
+        """Forget these objects (a streaming export: no later tensor needs them)."""
+        with self._lock:
+            for digest in digests:
+                self._objects.pop(digest, None)
+                self._partial.pop(digest, None)

@@ -1,18 +1,22 @@
 """Export the weights of a checkpoint as safetensors (one file, or an HF-style sharded set).
 
 Works for single-process and multi-rank checkpoints alike (shards are assembled into full
-tensors in one process), and for DeepSpeed ZeRO 1/2 checkpoints of ``DeepSpeedCheckpointer``
-(the module weights of DeepSpeed's model-states file). Optional dtype cast, name filter and
-prefix strip. Needs the ``safetensors`` package (``pip install 'stepvault[export]'``).
+tensors in one process), and for DeepSpeed checkpoints of ``DeepSpeedCheckpointer`` (ZeRO
+1/2: the module weights of DeepSpeed's model-states file; ZeRO-3: each weight joined from
+the ranks' partitions, :mod:`stepvault.ops.export_zero3`). One tensor at a time: each
+file's header is written from the manifest, then each tensor as soon as it is read
+(:mod:`stepvault.ops.safetensors_stream`), and the reader forgets the objects no later
+tensor needs. Optional dtype cast, name filter and prefix strip.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +29,7 @@ from ..catalog.vault import Vault
 from ..errors import StepvaultError
 from ..format.encoding import torch_dtype
 from ..store import Store
+from .safetensors_stream import write_streamed
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -54,13 +59,36 @@ def _unescape(name: str) -> str:
 
 @dataclass(frozen=True)
 class _Loader:
-    """Reads one tensor when called; ``nbytes`` is its size when the manifest tells."""
+    """Reads one tensor when called; ``nbytes``, ``shape`` and ``dtype`` (a stored dtype
+    name) are what the manifest tells before any byte is read: the export writes each
+    file's safetensors header from them, then streams the tensors one at a time.
+    ``objects``: the store objects the read touches; ``drop(digests)`` lets the reader
+    forget objects no later tensor needs (an export never holds more than the objects of
+    the tensor it is writing)."""
 
     read: Callable[[], Any]
     nbytes: int | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    objects: frozenset[str] = frozenset()
+    drop: Callable[[Iterable[str]], None] | None = None
 
     def __call__(self) -> Any:
         return self.read()
+
+
+def _entry_loader(ckpt: Any, fqn: str, e: dict[str, Any]) -> _Loader:
+    """The loader of one tensor of a sharded manifest (``e``: its entry)."""
+    shape = tuple(int(d) for d in e["size"])
+    digests = frozenset(str(c[0]) for sh in e["shards"] for c in sh["chunks"])
+    return _Loader(
+        functools.partial(ckpt.tensor, fqn),
+        math.prod(shape) * torch_dtype(e["dtype"]).itemsize,
+        shape,
+        e["dtype"],
+        digests,
+        ckpt._reader.drop,
+    )
 
 
 def weight_tensors(vault: Vault, run: str, step: int | str | None, module: str | None):
@@ -82,14 +110,15 @@ def weight_tensors(vault: Vault, run: str, step: int | str | None, module: str |
         deepspeed = "module" not in kinds.values() and "deepspeed" in modules
         if deepspeed and module in (None, "deepspeed"):
             # DeepSpeedCheckpointer's (the HF Trainer's, Accelerate's with DeepSpeed)
-            yield from _deepspeed_module(ckpt, entries, paths)
+            from .export_zero3 import deepspeed_weights
+
+            yield from deepspeed_weights(ckpt, entries, paths)
             return
         chosen = _choose(module, modules, m)
         for fqn, e in entries.items():
             path = paths.get(fqn) or fqn.split(".", 1)
             if e["type"] == "tensor" and path[0] == chosen:
-                load = _Loader(functools.partial(ckpt.tensor, fqn))
-                yield ".".join(str(p) for p in path[1:]), load
+                yield ".".join(str(p) for p in path[1:]), _entry_loader(ckpt, fqn, e)
         return
     modules = [k for k, v in m.state_kinds.items() if v == "module"]
     chosen = _choose(module, modules, m)
@@ -97,53 +126,15 @@ def weight_tensors(vault: Vault, run: str, step: int | str | None, module: str |
     for name, entry in m.tensors.items():
         if name.startswith(prefix) and entry.kind == "tensor":
             size = sum(length for _, _, length in entry.chunks)
-            load = _Loader(functools.partial(ckpt.tensor, name), size)
-            yield _unescape(name[len(prefix) :]), load
-
-
-def _deepspeed_module(ckpt: Any, entries: dict[str, Any], paths: dict[str, Any]):
-    """(name, loader) pairs of the module weights in a DeepSpeed checkpoint's model-states
-    file (ZeRO 1/2 keep the whole module there: what the HF Trainer's own ``save_model``
-    writes), one tensor read at a time through the packed file's skeleton."""
-    from ..distributed.planners import decode_value_bytes
-    from ..format import decode_value
-    from .migrate.deepspeed import MODEL_STATES, TensorRef, register_deepspeed_types
-
-    register_deepspeed_types()
-    by_path = {tuple(str(p) for p in (paths.get(f) or f.split("."))): f for f in entries}
-    files = sorted({p[1] for p in by_path if len(p) > 2 and p[0] == "deepspeed"})
-    shared = [f for f in files if f.endswith(MODEL_STATES) and "zero_pp_rank_" not in f]
-    m = ckpt.manifest
-    if not shared:
-        raise StepvaultError(
-            f"{m.run}@{m.step} is a DeepSpeed ZeRO-3 checkpoint: its weights exist only as "
-            "the ranks' partitions. Read them joined with stepvault.integrations.deepspeed."
-            "load_fp32_state_dict(root, run, step), then model.load_state_dict(...) and "
-            "model.save_pretrained(DIR)"
-        )
-    name = shared[0]
-    tree_fqn = by_path.get(("deepspeed", name, "tree"))
-    if tree_fqn is None:
-        raise StepvaultError(f"{m.run}@{m.step}: DeepSpeed file {name} has no skeleton")
-    skeleton = decode_value_bytes(bytes(decode_value(entries[tree_fqn]["value"], _none)))
-    for key, ref in (skeleton.get("module") or {}).items():
-        if not isinstance(ref, TensorRef):
-            continue
-        fqn = by_path[("deepspeed", name, "tensors", f"t{ref.index}")]
-        entry = entries[fqn]
-        size = 1
-        for n in entry["size"]:
-            size *= n
-        if size == 0:  # a ZeRO-3 placeholder
-            raise StepvaultError(
-                f"{m.run}@{m.step}: {key} is a ZeRO-3 placeholder in {name}; use "
-                "stepvault.integrations.deepspeed.load_fp32_state_dict for its weights"
+            load = _Loader(
+                functools.partial(ckpt.tensor, name),
+                size,
+                tuple(entry.shape),
+                entry.dtype,
+                frozenset(d for d, _, _ in entry.chunks),
+                ckpt._reader.drop,
             )
-        yield str(key), _Loader(functools.partial(ckpt.tensor, fqn))
-
-
-def _none(kind: str, name: str) -> None:
-    return None
+            yield _unescape(name[len(prefix) :]), load
 
 
 def _choose(module: str | None, modules: list[str], m: Any) -> str:
@@ -277,20 +268,16 @@ def _export(
 ) -> ExportReport:
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
-    try:
-        from safetensors.torch import save_file
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise StepvaultError("export needs safetensors: pip install 'stepvault[export]'") from exc
     target = torch_dtype(dtype) if dtype else None
     pattern = re.compile(include) if include else None
     limit = parse_size("max_shard_size", max_shard_size)
     vault = Vault(store)
     report = ExportReport(cast=dtype)
     errors: dict[str, dict[str, float]] = {}
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[tuple[str, _Loader, list[tuple[str, torch.dtype, tuple[int, ...]]]]]]
+    shards = [[]]
     sizes = [0]
     report.step = step = vault.checkpoint(ref_run, step).manifest.step  # "latest" -> int
-    read_bytes = 0
     chosen = []
     for name, load in weight_tensors(vault, ref_run, step, module):
         if pattern is not None and not pattern.search(name):
@@ -300,33 +287,85 @@ def _export(
         if name in exclude:  # tied weights an HF folder leaves out (ops/export_hf.py)
             continue
         chosen.append((name, load))
-    sizes_known = [getattr(load, "nbytes", None) for _, load in chosen]
-    total = None if None in sizes_known else sum(n for n in sizes_known if n is not None)
+    # The plan: every output tensor's name, dtype and shape from the manifest, before any
+    # byte is read, so each file's header is written first and the tensors are streamed
+    # into it one at a time (the export holds one tensor, not a shard or the model).
+    planned: list[tuple[str, _Loader, list[tuple[str, torch.dtype, tuple[int, ...]]]]] = []
     for name, load in chosen:
-        t = load()
-        read_bytes += t.numel() * t.element_size()
-        if progress is not None:
-            progress(read_bytes, total)  # total known: the bar shows an ETA
-        pieces = {name: t}
-        if quantize and t.dtype in _CASTABLE and t.dim() >= 2 and t.shape[0] > 0:
-            q, scale, error = quantize_int8(t)
-            pieces = {name: q, name + SCALE_SUFFIX: scale}
-            errors[name] = error
-        elif target is not None and t.dtype in _CASTABLE:
-            pieces = {name: t.to(target)}
-        nbytes = sum(p.numel() * p.element_size() for p in pieces.values())
+        if load.shape is None or load.dtype is None:  # pragma: no cover - every path tells
+            raise StepvaultError(f"{ref_run}@{step}: the manifest does not tell {name}'s shape")
+        stored = torch_dtype(load.dtype)
+        shape = tuple(load.shape)
+        if quantize and stored in _CASTABLE and len(shape) >= 2 and shape[0] > 0:
+            outs = [(name, torch.int8, shape), (name + SCALE_SUFFIX, torch.float32, shape[:1])]
+        elif target is not None and stored in _CASTABLE:
+            outs = [(name, target, shape)]
+        else:
+            outs = [(name, stored, shape)]
+        nbytes = sum(math.prod(sh) * dt.itemsize for _, dt, sh in outs)
         if sizes[-1] and sizes[-1] + nbytes > limit:
-            shards.append({})
+            shards.append([])
             sizes.append(0)
-        for key, piece in pieces.items():  # a weight and its scale stay in one shard
-            shards[-1][key] = piece.contiguous()
+        shards[-1].append((name, load, outs))  # a weight and its scale stay in one shard
         sizes[-1] += nbytes
+        planned.append((name, load, outs))
         report.tensors += 1
         report.total_bytes += nbytes
     if report.tensors == 0:
         raise StepvaultError(f"nothing to export from {ref_run}@{step} (filter {include!r})")
+    total = sum(load.nbytes or 0 for _, load, _ in planned)
+    last_use = {d: i for i, (_, load, _) in enumerate(planned) for d in load.objects}
+    state = {"index": 0, "read": 0}
+
+    def produce(name: str, load: _Loader) -> dict[str, torch.Tensor]:
+        """Read one tensor, give it its exported form, let the reader forget its objects."""
+        t = load()
+        state["read"] += t.numel() * t.element_size()
+        if progress is not None:
+            progress(state["read"], total)  # total known: the bar shows an ETA
+        if load.drop is not None:
+            index = state["index"]
+            load.drop([d for d in load.objects if last_use[d] == index])
+        state["index"] += 1
+        if quantize and t.dtype in _CASTABLE and t.dim() >= 2 and t.shape[0] > 0:
+            q, scale, error = quantize_int8(t)
+            errors[name] = error
+            return {name: q, name + SCALE_SUFFIX: scale}
+        if target is not None and t.dtype in _CASTABLE:
+            return {name: t.to(target)}
+        return {name: t}
+
     out = os.fspath(out)
     meta = {"format": "pt", "stepvault_source": f"{ref_run}@{step}"}
+    if quantize:
+        meta.update(stepvault_quantization=INT8_SCHEME, lossy="true")
+    if out.endswith(".safetensors"):
+        if len(shards) > 1:
+            raise StepvaultError(
+                f"weights ({report.total_bytes} bytes) exceed max_shard_size; export to a "
+                "directory to get a sharded set"
+            )
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        write_streamed(out, shards[0], meta, produce)
+        report.files.append(out)
+    else:
+        os.makedirs(out, exist_ok=True)
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = (
+                "model.safetensors"
+                if len(shards) == 1
+                else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            )
+            write_streamed(os.path.join(out, fname), shard, meta, produce)
+            report.files.append(os.path.join(out, fname))
+            weight_map.update({key: fname for _, _, outs in shard for key, _, _ in outs})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": report.total_bytes}, "weight_map": weight_map}
+            index_path = os.path.join(out, "model.safetensors.index.json")
+            with open(index_path, "w") as f:
+                json.dump(index, f, indent=2)
+            report.files.append(index_path)
     if quantize:
         rels = [e["rel"] for e in errors.values()]
         report.quantization = {
@@ -338,32 +377,4 @@ def _export(
             "mean_rel_error": sum(rels) / len(rels) if rels else 0.0,
             "per_tensor": errors,
         }
-        meta.update(stepvault_quantization=INT8_SCHEME, lossy="true")
-    if out.endswith(".safetensors"):
-        if len(shards) > 1:
-            raise StepvaultError(
-                f"weights ({report.total_bytes} bytes) exceed max_shard_size; export to a "
-                "directory to get a sharded set"
-            )
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        save_file(shards[0], out, metadata=meta)
-        report.files.append(out)
-        return report
-    os.makedirs(out, exist_ok=True)
-    if len(shards) == 1:
-        path = os.path.join(out, "model.safetensors")
-        save_file(shards[0], path, metadata=meta)
-        report.files.append(path)
-        return report
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out, fname), metadata=meta)
-        report.files.append(os.path.join(out, fname))
-        weight_map.update(dict.fromkeys(shard, fname))
-    index = {"metadata": {"total_size": report.total_bytes}, "weight_map": weight_map}
-    index_path = os.path.join(out, "model.safetensors.index.json")
-    with open(index_path, "w") as f:
-        json.dump(index, f, indent=2)
-    report.files.append(index_path)
     return report

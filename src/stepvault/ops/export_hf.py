@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,15 +112,28 @@ def export_checkpoint(
     from ..tiers.view import read_view
 
     store = read_view(store)
+    config = options.pop("config", None)
+    if format is None and config is not None:
+        format = "hf"  # a config given is a from_pretrained folder asked for
     fmt = resolve_format(store, run, step, out, format)
+    if fmt != "hf" and config is not None:
+        raise ExportError(f"config= makes an HF folder; it does not apply to format {fmt!r}")
     if fmt == "safetensors":
         return export_weights(store, run, step, out, **options)
-    return export_folder(store, run, step, out, hf=fmt == "hf", **options)
+    return export_folder(store, run, step, out, hf=fmt == "hf", config=config, **options)
 
 
-def _tied_weights(config: dict[str, Any], vault: Vault, run: str, step: int, module: str | None):
+def _tied_weights(
+    config: dict[str, Any],
+    vault: Vault,
+    run: str,
+    step: int,
+    module: str | None,
+    strip_prefix: str | None = None,
+):
     """Weights to leave out because ``from_pretrained`` re-ties them: the targets of the
-    model class's ``_tied_weights_keys`` whose content equals their source's."""
+    model class's ``_tied_weights_keys`` whose content equals their source's (names as
+    exported: ``strip_prefix`` removed)."""
     if not config.get("tie_word_embeddings", True):
         return {}
     try:
@@ -139,7 +152,11 @@ def _tied_weights(config: dict[str, Any], vault: Vault, run: str, step: int, mod
             declared.update(dict.fromkeys(keys))
     if not declared:
         return {}
-    loaders = dict(weight_tensors(vault, run, step, module))
+    loaders = {}
+    for name, load in weight_tensors(vault, run, step, module):
+        if strip_prefix and name.startswith(strip_prefix):
+            name = name[len(strip_prefix) :]
+        loaders[name] = load
     tied: dict[str, str] = {}
     for target, source in declared.items():
         if target not in loaders:
@@ -255,27 +272,39 @@ def export_folder(
     include: str | None = None,
     strip_prefix: str | None = None,
     progress: Callable[[int, int | None], None] | None = None,
+    config: Any = None,
 ) -> FolderExport:
     """Write ``run@step`` as a model folder at ``out`` (see the module docstring).
 
     ``out`` must be absent, empty, or an earlier stepvault export (replaced as a whole).
+    ``config``: the model's config where the checkpoint has no ``config.json`` attached
+    (a plain DeepSpeed job, a LightningModule holding a transformers model): the path of a
+    ``config.json`` (or of a folder holding one), a dict, a transformers config, or the
+    live model: a ``PreTrainedModel``, or any module holding one (its config, with
+    ``architectures`` set to its class; its path in the module becomes ``strip_prefix``
+    unless one is given).
     """
     vault = Vault(store)
     m = vault.checkpoint(run, step).manifest
     run, step = m.run, m.step
     data = store.read_manifest(run, step)
     attachments = checkpoint_attachments(store, run, step, data)
-    if hf and MODEL_CONFIG not in attachments:
+    given = None
+    if config is not None:
+        given, prefix = model_config(config)
+        if strip_prefix is None and prefix:
+            strip_prefix = prefix
+    if hf and given is None and MODEL_CONFIG not in attachments:
         raise ExportError(
             f"{run}@{step} has no '{MODEL_CONFIG}' attachment, which an HF export needs "
             f"(attachments: {', '.join(attachments) or 'none'}). Attach the model's config: "
             f"model.config.save_pretrained(DIR), then 'stepvault attach {run}@{step} "
             f"DIR/{MODEL_CONFIG}'; or export the weights alone with --format safetensors"
         )
-    config = _json_attachment(attachments[MODEL_CONFIG]) if hf else None
+    config = (given or _json_attachment(attachments[MODEL_CONFIG])) if hf else None
     out = os.path.abspath(os.fspath(out))
     _check_target(out)
-    tied = _tied_weights(config, vault, run, step, module) if config is not None else {}
+    tied = _tied_weights(config, vault, run, step, module, strip_prefix) if config else {}
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.stepvault-", dir=parent)
@@ -356,6 +385,69 @@ def export_folder(
         max_rel_error=q.get("max_rel_error"),
     )
     return report
+
+
+def model_config(config: Any) -> tuple[dict[str, Any], str | None]:
+    """``config=`` of :func:`export_folder` as ``(config.json's dict, strip prefix)``."""
+    if isinstance(config, Mapping):
+        return dict(config), None
+    if isinstance(config, str | os.PathLike):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, MODEL_CONFIG)
+        try:
+            with open(path, "rb") as f:
+                doc = json.loads(f.read())
+        except FileNotFoundError:
+            raise ExportError(
+                f"config {path}: no such file; pass a config.json or the folder of one "
+                "(model.config.save_pretrained(DIR) writes it)"
+            ) from None
+        except ValueError as exc:
+            raise ExportError(f"config {path} is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ExportError(f"config {path} must hold a JSON object")
+        return doc, None
+    prefix = None
+    if hasattr(config, "named_modules") and not hasattr(config, "config"):
+        # a module holding a transformers model (a LightningModule): the outermost one
+        found = [(n, m) for n, m in config.named_modules() if _is_pretrained(m)]
+        if not found:
+            raise ExportError(
+                f"{type(config).__name__} holds no transformers PreTrainedModel; pass its "
+                "config.json (config=PATH, CLI --config) instead"
+            )
+        path, config = found[0]
+        prefix = f"{path}." if path else None
+    if _is_pretrained(config):
+        model, config = config, config.config
+        doc = _config_doc(config)
+        doc.setdefault("architectures", None)
+        doc["architectures"] = doc["architectures"] or [type(model).__name__]
+        return doc, prefix
+    return _config_doc(config), prefix
+
+
+def _is_pretrained(obj: Any) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # without transformers no module is one
+        return False
+    return isinstance(obj, PreTrainedModel)
+
+
+def _config_doc(config: Any) -> dict[str, Any]:
+    """A transformers config as config.json's dict (all values, as save_pretrained)."""
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        raise ExportError(
+            f"config must be a path, a dict, a transformers config or model, not "
+            f"{type(config).__name__}"
+        )
+    doc = json.loads(to_json(use_diff=False))
+    if not isinstance(doc, dict):  # pragma: no cover - transformers writes an object
+        raise ExportError(f"{type(config).__name__}.to_json_string() is not a JSON object")
+    return doc
 
 
 def _json_attachment(att: Attachment) -> dict[str, Any]:
