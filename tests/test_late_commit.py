@@ -33,7 +33,7 @@ from stepvault.catalog import checkpoint_records
 from stepvault.cli.main import app
 from stepvault.core.restore import restore
 from stepvault.core.write import save
-from stepvault.errors import CheckpointExistsError, CheckpointNotFoundError
+from stepvault.errors import CheckpointExistsError, CheckpointNotFoundError, LeaseLostError
 from stepvault.manager.leasing import LeaseKeeper
 from stepvault.manager.scope import fenced
 from stepvault.ops.verify import verify_store
@@ -138,7 +138,9 @@ def test_a_manifest_landing_after_a_takeover_is_never_a_checkpoint(open_store, t
             save(b, weights(step), run="r", step=step)
         release.set()  # the link heals: A's manifest reaches the store
         thread.join(60)
-    assert not errors  # the store took A's write: nothing told A (as on S3)
+    # The store took A's write (S3 cannot refuse it); A learns at once that it does not count.
+    assert len(errors) == 1 and isinstance(errors[0], LeaseLostError)
+    assert "reached the store after that takeover" in str(errors[0])
     raw = open_store()
     assert raw.listed_steps("r") == [1, 2, 3, 4, 5]  # the file is there...
     late = raw.backend.read_bytes(raw.manifest_key("r", 3))
@@ -213,7 +215,7 @@ def test_a_late_manifest_that_landed_first_does_not_block_the_owners_commit(open
         b = takeover(open_store)
         release.set()  # A's late manifest of step 2 lands before B commits step 2
         thread.join(60)
-    assert not errors
+    assert len(errors) == 1 and isinstance(errors[0], LeaseLostError)
     assert open_store().list_steps("r") == [1]
     save(b, weights(2), run="r", step=2)  # replaces the late manifest, not refused
     assert [s for _, s, _ in b.stale_removed] == [2]
@@ -244,7 +246,6 @@ def test_a_stale_writers_save_in_its_nodes_memory_is_not_restored_after_a_takeov
     (the disk commit is refused). A relaunch on A's node must resume from B's newest
     checkpoint on disk, not from A's late memory copy at a newer step."""
     from stepvault import CheckpointManager
-    from stepvault.errors import LeaseLostError
     from stepvault.manager.options import LeaseOptions, ManagerOptions, MemOptions
 
     hot, shm = tmp_path / "ck", tmp_path / "shm-node-a"

@@ -137,6 +137,11 @@ class Lease:
                 # clock, so no takeover is possible for ``stale_after`` from now.
                 self._renew_locked(what)
             yield
+            if not backend.exclusive_is_atomic:
+                # The write may have reached the store after a takeover (held up in a
+                # partition): then readers ignore it (the fence rule) and this writer must
+                # learn now, as a refused commit, not at its next save.
+                self._confirm(what)
 
     def release(self) -> None:
         """Give the run up: remove the lease file if it is still ours, stop fencing."""
@@ -155,6 +160,16 @@ class Lease:
                 pass  # changed since: not ours to remove
 
     # -- helpers -----------------------------------------------------------------------
+    def _confirm(self, what: str) -> None:
+        try:  # one GET (no version needed: nothing is written on what it says)
+            current = read_lease(self.store, self.run)
+        except OSError:
+            return  # out of reach: the fence rule decides whether the write counts
+        if not self._ours(current):
+            self._lose(current, what)
+            assert self.lost is not None
+            raise self._refusal(what, self.lost.owner, current, late=True)
+
     def _renew_locked(self, what: str) -> None:
         if self.lost is not None:
             raise self._refusal(what, self.lost.owner, None)
@@ -196,7 +211,12 @@ class Lease:
         return self.lost
 
     def _refusal(
-        self, what: str, owner: tuple[str, int] | None, current: dict[str, Any] | None
+        self,
+        what: str,
+        owner: tuple[str, int] | None,
+        current: dict[str, Any] | None,
+        *,
+        late: bool = False,
     ) -> LeaseLostError:
         if owner is not None:
             since = ""
@@ -213,9 +233,15 @@ class Lease:
                 f"its lease file {self.key} is gone or unreadable (removed by hand, or a "
                 "takeover in progress)"
             )
+        outcome = (
+            "It reached the store after that takeover, so it is not a checkpoint: readers "
+            "ignore it and the new owner removes it."
+            if late
+            else "Nothing was committed or deleted."
+        )
         return LeaseLostError(
             f"{what} was refused: this process (pid {os.getpid()}) no longer holds the "
-            f"writer lease of run {self.run!r}: {who}. Nothing was committed or deleted. Stop "
+            f"writer lease of run {self.run!r}: {who}. {outcome} Stop "
             "this writer (exit without saving): the new owner continues the run (resume from its "
             "checkpoints), or write under another run name",
             run=self.run,
