@@ -14,16 +14,21 @@ torchtitan needs are test-only (tests/scripts/torchtitan_train.py, torchtitan_co
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 import torchtitan_env
 from ddp_util import ENV, kill_job, kill_job_when_saved, run_job
 from integration_util import damage_newest
 
 import stepvault
+from stepvault.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -50,13 +55,33 @@ def assets(tt_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _job(python: Path, assets: Path, dump: Path, out: Path, *extra: str) -> list[str]:
+#: torchtitan's options for each parallel layout of the 2 ranks (the default: FSDP2 over both).
+LAYOUTS = {
+    "tp": [
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
+    "pp": [
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--training.disable_cuda_graphs",  # torchtitan refuses PP with its CUDA-graph flag on
+    ],
+}
+
+
+def _job(
+    python: Path, assets: Path, dump: Path, out: Path, *extra: str, nproc: int = 2
+) -> list[str]:
     return [
         str(python),
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc_per_node=2",
+        f"--nproc_per_node={nproc}",
         str(SCRIPTS / "torchtitan_train.py"),
         str(assets),
         str(dump),
@@ -65,9 +90,9 @@ def _job(python: Path, assets: Path, dump: Path, out: Path, *extra: str) -> list
     ]
 
 
-def _ranks(out: Path) -> list[dict]:
+def _ranks(out: Path, nproc: int = 2) -> list[dict]:
     """Each rank's end state (its shards' digests, lr, step, data position)."""
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def _same(a: dict, b: dict) -> dict:
@@ -80,12 +105,12 @@ def _same(a: dict, b: dict) -> dict:
 def reference(tt_python: Path, assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 12-step job checkpointed through stepvault; its dump folder."""
     dump = tmp_path_factory.mktemp("torchtitan-reference")
-    run_job(_job(tt_python, assets, dump, dump / "out"), timeout=600)
+    run_job(_job(tt_python, assets, dump, dump / "out", "--full-weights"), timeout=600)
     return dump
 
 
-def _killed_after(cmd: list[str], committed: Path, out: Path) -> int:
-    """Start the job, SIGKILL every process of it once ``committed`` exists and both ranks
+def _killed_after(cmd: list[str], committed: Path, out: Path, nproc: int = 2) -> int:
+    """Start the job, SIGKILL every process of it once ``committed`` exists and every rank
     stalled after it (torchtitan's own checkpoints: a folder, no stepvault store to watch);
     its exit status."""
     proc = subprocess.Popen(
@@ -98,7 +123,9 @@ def _killed_after(cmd: list[str], committed: Path, out: Path) -> int:
     )
     try:
         deadline = time.time() + 600
-        while not (committed.exists() and all((out / f"stalled{r}").exists() for r in range(2))):
+        while not (
+            committed.exists() and all((out / f"stalled{r}").exists() for r in range(nproc))
+        ):
             assert proc.poll() is None, f"the job ended before it was killed: {proc.stderr.read()}"
             assert time.time() < deadline, "the job wrote no checkpoint in time"
             time.sleep(0.2)
@@ -179,3 +206,135 @@ def test_torchtitan_config_refuses_keep_latest_k(tt_python):
         [str(tt_python), "-c", code], capture_output=True, text=True, env=ENV, check=True
     )
     assert "keep_last" in out.stdout and "keep_latest_k=0" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.extended
+@pytest.mark.reference
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_torchtitan_tp_and_pp_killed_and_resumed_end_where_torchtitans_own_resume_does(
+    tt_python, assets, layout, tmp_path
+):
+    """Tensor parallel (dp_shard 1 x tp 2: every weight a DTensor sharded by TP) and
+    pipeline parallel (pp 2: each rank holds its own stages' plain tensors): the job
+    checkpointed through stepvault, SIGKILLed after its step-6 commit and resumed, ends
+    with every rank's shards, AdamW moments, lr, data position and step bitwise equal to
+    the same job under torchtitan's own DCP checkpointer, SIGKILLed after its step-6
+    folder and resumed."""
+    opts = LAYOUTS[layout]
+    dump, out = tmp_path / "sv", tmp_path / "sv-out"
+    root = dump / "checkpoint"
+    steps, code = kill_job_when_saved(
+        _job(tt_python, assets, dump, out, *opts, "--stall-after", "7"),
+        root,
+        RUN,
+        min_step=6,
+        timeout=600,
+    )
+    assert code != 0 and steps == [3, 6]
+    assert stepvault.open(root).manifest(RUN, 6).sharded  # each rank wrote its own part
+    run_job(_job(tt_python, assets, dump, out, *opts), timeout=600)
+    got = _ranks(out)
+    assert [(r["resumed"], r["skipped"], r["first_step"]) for r in got] == [(6, [], 7)] * 2
+
+    own, own_out = tmp_path / "own", tmp_path / "own-out"
+    job = _job(tt_python, assets, own, own_out, *opts, "--checkpointer", "dcp")
+    assert _killed_after([*job, "--stall-after", "7"], own / "checkpoint/step-6/.metadata", own_out)
+    run_job(job, timeout=600)
+    want = _ranks(own_out)
+    assert [r["first_step"] for r in want] == [7, 7]
+    assert want[0]["moments"] > 0 and want[1]["moments"] > 0
+    for rank in range(2):
+        assert not _same(got[rank], want[rank]), f"rank {rank}: {_same(got[rank], want[rank])}"
+
+
+@pytest.mark.extended
+def test_torchtitan_sigterm_to_every_rank_saves_once_exits_143_and_resumes_bitwise(
+    tt_python, assets, reference, tmp_path
+):
+    """A preemption notice: SIGTERM to torchrun and both ranks while they are in step 8
+    (a step interval=3 would not save at). Each rank finishes the step, the ranks write
+    one collective checkpoint of step 8 and exit with 143 (stepvault's OnSignal); started
+    again, they resume from 8 and end bitwise where the uninterrupted job does."""
+    dump, out = tmp_path / "job", tmp_path / "out"
+    root = dump / "checkpoint"
+    proc = subprocess.Popen(
+        _job(tt_python, assets, dump, out, "--stall-after", "7"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 600
+        while not all((out / f"stalled{r}").exists() for r in range(2)):
+            assert proc.poll() is None, f"the job ended before the signal: {proc.stderr.read()}"
+            assert time.time() < deadline, "the job did not reach step 8 in time"
+            time.sleep(0.2)
+        kill_job(proc.pid, signal.SIGTERM)  # torchrun forwards it too: both ways, once
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc.pid)
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+    assert [(out / f"exit{r}").read_text() for r in range(2)] == ["143", "143"]
+    assert stepvault.open(root).steps(RUN) == [3, 6, 8]
+    assert not (out / "rank0.json").exists()
+
+    run_job(_job(tt_python, assets, dump, out), timeout=600)
+    got, want = _ranks(out), _ranks(reference / "out")
+    assert [(r["resumed"], r["first_step"]) for r in got] == [(8, 9)] * 2
+    for rank in range(2):
+        assert not _same(got[rank], want[rank]), f"rank {rank}: {_same(got[rank], want[rank])}"
+
+
+@pytest.mark.extended
+def test_torchtitan_fsdp_checkpoint_into_tensor_parallel_refuses_the_data_then_reshards(
+    tt_python, assets, reference, tmp_path
+):
+    """The FSDP2 job's checkpoint (2 data-parallel ranks) resumed by the same job laid out
+    as tensor parallel (1 data-parallel rank): the dataloader position is per dp rank, so
+    the resume is refused, saying why and what to do; with ``dataloader`` excluded from
+    loading (what the refusal names) the weights and optimizer reshard from FSDP2's row
+    shards to TP's layout, and the full weights equal the FSDP2 job's, bitwise."""
+    dump = tmp_path / "tp"
+    shutil.copytree(reference / "checkpoint", dump / "checkpoint")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        _job(tt_python, assets, dump, out, *LAYOUTS["tp"]),
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert proc.returncode != 0
+    assert "data-parallel" in proc.stderr and "exclude_from_loading" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert not (out / "rank0.json").exists()
+
+    # At step 12 of 12 the loop has nothing left to run: the end state is the loaded one.
+    opts = [*LAYOUTS["tp"], "--checkpoint.exclude_from_loading", "dataloader", "--full-weights"]
+    run_job(_job(tt_python, assets, dump, out, *opts), timeout=600)
+    assert [r["resumed"] for r in _ranks(out)] == [12, 12]
+    got = safetensors.torch.load_file(str(out / "weights.safetensors"))
+    want = safetensors.torch.load_file(str(reference / "out" / "weights.safetensors"))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.extended
+def test_torchtitan_checkpoint_exports_to_safetensors(reference, tmp_path):
+    """``stepvault export`` of the FSDP2 job's last checkpoint (its model shards of two
+    ranks, joined one tensor at a time) holds the job's full weights bitwise, under
+    torchtitan's names."""
+    target = tmp_path / "llama3.safetensors"
+    stepvault.ops.export_weights(
+        Store.open(reference / "checkpoint"), RUN, 12, target, module="model"
+    )
+    got = safetensors.torch.load_file(str(target))
+    want = safetensors.torch.load_file(str(reference / "out" / "weights.safetensors"))
+    assert sorted(got) == sorted(want) and len(want) > 10
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,6 +123,40 @@ def _patch_torchtitan_for_cpu() -> None:
     # The trainer shortens the process groups' timeouts after the first step through the
     # device's backend (NCCL), which gloo groups on CPU do not have.
     dist_utils.set_pg_timeouts = lambda *args, **kwargs: None
+    _patch_pipeline_schedule_step()
+
+
+def _patch_pipeline_schedule_step() -> None:
+    """Pipeline parallel (not a CPU matter, a version one): torchtitan 0.3.0 calls
+    ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=)`` with batches it already split into
+    microbatches, an API of a newer torch; torch 2.13's ``step`` takes whole batches and
+    splits them itself. Microbatches go straight to the schedule's ``_step_microbatches``
+    (what 2.13's ``step`` calls after its split)."""
+    from torch.distributed.pipelining import schedules
+
+    def wrap(cls: type, stages: Any) -> None:
+        original = cls.step
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if "arg_mbs" not in kwargs and "kwarg_mbs" not in kwargs:
+                return original(self, *args, **kwargs)
+            for stage in stages(self):
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(
+                kwargs.get("arg_mbs"),
+                kwargs.get("kwarg_mbs"),
+                kwargs.get("target_mbs"),
+                kwargs.get("losses"),
+                kwargs.get("return_outputs", False),
+                loss_kwargs=kwargs.get("loss_kwargs"),
+            )
+            return None
+
+        cls.step = step
+
+    wrap(schedules.PipelineScheduleMulti, lambda s: s._stages)
+    wrap(schedules.PipelineScheduleSingle, lambda s: [s._stage])
 
 
 def _config(args: argparse.Namespace, overrides: list[str]) -> list[str]:
@@ -179,6 +214,23 @@ def _digest(trainer: object) -> dict[str, object]:
     }
 
 
+def _write_full_weights(trainer: object, path: Path, rank: int) -> None:
+    """The model's full weights at the end, as torchtitan checkpoints them (its model
+    wrapper's FQNs), gathered tensor by tensor and written by rank 0: what an export of
+    the last checkpoint must hold."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    state = trainer.checkpointer.states["model"].state_dict()  # type: ignore[attr-defined]
+    full = {}
+    for name, value in sorted(state.items()):
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # collective: every rank, in the same order
+        full[name] = value.detach().cpu().contiguous()
+    if rank == 0:
+        save_file(full, str(path))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("assets")
@@ -186,6 +238,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--checkpointer", choices=("stepvault", "dcp"), default="stepvault")
     parser.add_argument("--stall-after", type=int, default=0)
+    parser.add_argument("--full-weights", action="store_true")
+    parser.add_argument("--timings", default="", help="benchmarks/bench_torchtitan.py's")
     args, overrides = parser.parse_known_args()  # the rest: torchtitan's own options
 
     # The dataset is a local folder: nothing is fetched, nothing cached in $HOME.
@@ -204,14 +258,43 @@ def main() -> None:
     original_close = Trainer.close
 
     first: list[int] = []
+    timings: dict[str, list[float]] = {"step": [], "stall": [], "durable": []}
+
+    def timed_save(checkpointer: Any) -> Any:
+        """The checkpointer's save, timed (the benchmark): how long the call holds the
+        loop (stall), and until the checkpoint is durable (waited for at once)."""
+        save = checkpointer.save
+
+        def timed(curr_step: int, last_step: bool = False) -> bool:
+            begin = time.perf_counter()
+            saved = save(curr_step, last_step=last_step)
+            if saved:
+                timings["stall"].append(time.perf_counter() - begin)
+                if hasattr(checkpointer, "manager"):  # stepvault: its background write
+                    checkpointer.manager.wait()
+                else:  # torchtitan's async DCP save: its future
+                    checkpointer.maybe_wait_for_saving()
+                timings["durable"].append(time.perf_counter() - begin)
+            return bool(saved)
+
+        return timed
 
     def train_step(self: Trainer, data_iterator: object) -> None:
         if not first:
             first.append(self.step)  # the step a resumed job runs first
+            if args.timings:
+                self.checkpointer.save = timed_save(self.checkpointer)  # type: ignore[method-assign]
         if args.stall_after and self.step > args.stall_after:
             (out / f"stalled{rank}").write_text(str(self.step))
-            time.sleep(600)  # the test SIGKILLs the job here
+            # The test SIGKILLs the job here, or SIGTERMs it: then the step goes on and
+            # the checkpointer's preemption save follows it (stepvault's OnSignal).
+            on_signal = getattr(self.checkpointer, "on_signal", None)
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and not (on_signal and on_signal.triggered):
+                time.sleep(0.1)
+        begin = time.perf_counter()
         original_step(self, data_iterator)
+        timings["step"].append(time.perf_counter() - begin)
 
     def close(self: Trainer) -> None:
         # Before torchtitan's close: the process group is still up (full_tensor is not
@@ -223,12 +306,20 @@ def main() -> None:
             record["resumed"] = restore.step if restore is not None else None
             record["skipped"] = [s.step for s in restore.skipped] if restore is not None else []
             (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+            if args.timings and rank == 0:
+                Path(args.timings).write_text(json.dumps(timings))
+            if args.full_weights:
+                _write_full_weights(self, out / "weights.safetensors", rank)
         original_close(self)
 
     Trainer.train_step = train_step  # type: ignore[method-assign]
     Trainer.close = close  # type: ignore[method-assign]
     sys.argv = [sys.argv[0], *_config(args, overrides)]
-    tt_train.main()
+    try:
+        tt_train.main()
+    except SystemExit as exc:  # a preemption save ends the rank with the policy's code
+        (out / f"exit{rank}").write_text(str(exc.code))
+        raise
 
 
 if __name__ == "__main__":

@@ -48,10 +48,11 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from .._version import __version__
+from ..catalog.vault import Vault
 from ..distributed.planners import decode_value_bytes, encode_value
 from ..errors import StepvaultError
 from ..manager import CheckpointManager
-from ..policy import Every, KeepEvery, KeepLast, KeepPolicy
+from ..policy import Every, KeepEvery, KeepLast, KeepPolicy, OnSignal
 
 __all__ = ["StepvaultCheckpointManager"]
 
@@ -138,6 +139,15 @@ class StepvaultCheckpointManager(_tt_dcp.CheckpointManager):
         codec: str | None = None
         """stepvault's codec for the hot tier (None: raw chunks)."""
 
+        preemption: bool = True
+        """SIGTERM or SIGUSR1 (a scheduler's preemption notice) to the ranks: every rank
+        writes one collective checkpoint after the step it is in, then exits with
+        ``preemption_exit_code`` (stepvault's ``OnSignal``). False: torchtitan's default
+        (the signal ends the process at once)."""
+
+        preemption_exit_code: int | None = None
+        """The exit code after a preemption save (None: 128 + the signal, 143 for SIGTERM)."""
+
         keep_latest_k: int = 0
         """Not used: retention is stepvault's (``keep_last``, ``keep_every``)."""
 
@@ -171,10 +181,18 @@ class StepvaultCheckpointManager(_tt_dcp.CheckpointManager):
         if not self.enable:
             return
         self.run: str = config.run
+        #: stepvault's signal rule (None: preemption off). torchtitan decides its saves
+        #: itself (``_should_save``: interval, first and last step); the manager's own
+        #: policy is asked at every other step only for a signal.
+        self.on_signal: OnSignal | None = (
+            OnSignal(exit_code=config.preemption_exit_code) if config.preemption else None
+        )
         self.manager = CheckpointManager(
             self.folder,
             config.run,
-            save=Every(steps=config.interval),
+            # The manager installs the signal handlers on every rank (main thread: torchtitan
+            # builds its checkpointer in Trainer.__init__) and the ranks agree at each step.
+            save=self.on_signal if self.on_signal is not None else Every(steps=config.interval),
             keep=_keep_policy(config),
             async_save=config.async_save,
             codec=config.codec,
@@ -196,21 +214,29 @@ class StepvaultCheckpointManager(_tt_dcp.CheckpointManager):
 
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        if not self._should_save(curr_step, last_step):
+        # torchtitan calls this after every step on every rank (Trainer.train): its own
+        # schedule is the same on every rank; a preemption signal may reach the ranks at
+        # different steps, so then the manager asks every rank at each step (one small
+        # all-gather) and they save together at the first step after any rank got it.
+        due = self._should_save(curr_step, last_step)
+        if not due and (self.on_signal is None or self.load_only):
             return False
         begin = time.monotonic()
-        # Every rank calls this at the same step (torchtitan's decision is the same on
-        # every rank); the manager's save is collective: each rank its shards, one commit.
-        self.manager.save(
+        # The manager's save is collective: each rank its shards, one commit. After a
+        # preemption save it closes itself and raises SystemExit with the policy's code on
+        # every rank (synchronous: the checkpoint is committed first).
+        handle = self.manager.save(
             curr_step,
             self._states(),
-            force=True,
+            force=due,
             metadata={
                 "framework": "torchtitan",
                 "stepvault_version": __version__,
                 "torchtitan_states": sorted(k for k, v in self.states.items() if v is not None),
             },
         )
+        if handle is None:  # not due, no signal
+            return False
         logger.info(
             "stepvault: checkpoint of step %d staged in %.2f s (run %r in %s)",
             curr_step,
@@ -233,6 +259,9 @@ class StepvaultCheckpointManager(_tt_dcp.CheckpointManager):
                     f"trainer's states {sorted(self.states)}"
                 )
         keys = [k for k in self.states if k not in self.exclude_from_loading]
+        if DATALOADER in keys:
+            # Before anything is loaded: a refused resume changes no training state.
+            self._check_loader_degree(self.manager.latest_step if step == -1 else step)
         state = self._states(keys)
         begin = time.monotonic()
         info = self.manager.restore(state, "latest" if step == -1 else step)
@@ -252,6 +281,27 @@ class StepvaultCheckpointManager(_tt_dcp.CheckpointManager):
             "stepvault: resumed from %s@%d in %.2f s", self.run, info.step, time.monotonic() - begin
         )
         return True
+
+    def _check_loader_degree(self, step: int | None) -> None:
+        """Refuse a checkpoint whose dataloader state is of another data-parallel degree
+        (torchtitan's data position is one per dp rank: it cannot be split or joined)."""
+        loader = self.states.get(DATALOADER)
+        if step is None or not isinstance(loader, ParallelAwareDataloader):
+            return
+        try:
+            manifest = Vault(self.manager.store).manifest(self.run, step)
+        except (StepvaultError, OSError):
+            return  # damaged or not in this tier: the restore falls back or says so itself
+        entries = (manifest.sharded or {}).get("entries", {})
+        saved = entries.get(f"{DATALOADER}.world_size", {}).get("value")
+        if saved is not None and saved != loader.dp_world_size:
+            raise StepvaultError(
+                f"{self.run}@{step} holds the dataloader position of {saved} data-parallel "
+                f"ranks; this job has {loader.dp_world_size} (the position is one per dp "
+                "rank: it cannot be split or joined). Resume with the same data-parallel "
+                'degree, or add "dataloader" to checkpoint.exclude_from_loading to load '
+                "the model, optimizer and schedulers (resharded) and restart the data"
+            )
 
     def _maybe_wait_for_staging(self) -> None:
         # stepvault's staging (the copy to host buffers) finishes inside save().
