@@ -284,3 +284,21 @@ def test_a_stale_writers_save_in_its_nodes_memory_is_not_restored_after_a_takeov
         # A's memory copies from before the takeover still count (they were on disk).
         state = weights(0)
         assert c.restore(state, step=2) is not None and float(state["w"][0]) == 2.0
+
+
+def test_thinning_under_a_lease_keeps_later_attachments(tmp_path):
+    """The stamp is in the committed file, whose BLAKE3 attachment records bind to: a
+    thinning by the lease holder rebinds them to the file as it is written."""
+    from stepvault.catalog import apply_retention
+    from stepvault.catalog.attachments import attach_after, checkpoint_attachments
+    from stepvault.policy import KeepLast, ThinAfter
+
+    store = Store.open(tmp_path / "s", create=True)
+    fenced(acquire_lease(store, "r", stale_after=60))
+    for step in (1, 2):
+        save(store, {"model": torch.nn.Linear(4, 4), "step": step}, run="r", step=step)
+    attach_after(store, "r", 1, {"config.json": b'{"hidden": 4}'})
+    keep = KeepLast(2) | ThinAfter(steps=1)
+    assert apply_retention(store, "r", keep, checkpoint_records(store, "r")).thinned == [1]
+    assert manifest_stamp(store.read_manifest("r", 1)) == store.fences["r"].stamp()  # type: ignore[attr-defined]
+    assert checkpoint_attachments(store, "r", 1)["config.json"].read() == b'{"hidden": 4}'

@@ -145,7 +145,7 @@ def thin_checkpoint(
     )
     if thin is None or not commit:
         return entry
-    new_data = serialize_manifest(thin)
+    new_data = store.stamped(run, serialize_manifest(thin))  # the file as committed
     if later:
         _rebind(store, run, step, later, manifest_id(new_data))
     if store.read_manifest(run, step) != data:

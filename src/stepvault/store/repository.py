@@ -92,11 +92,13 @@ def manifest_stamp(data: bytes) -> dict[str, Any] | None:
 
 
 def stamp_manifest(data: bytes, stamp: dict[str, Any]) -> bytes:
-    """``data`` with ``stamp`` in its envelope line. The body and its checksum are unchanged
-    (readers, summaries and object lists key on the body); a manifest that already carries
-    a stamp keeps it (a copy between tiers or a rewrite keeps the epoch it was made in)."""
+    """``data`` with ``stamp`` in its envelope line (replacing another one: a copy committed
+    by the holder of a later epoch, e.g. a memory checkpoint of a crashed writer flushed to
+    disk, is that holder's commit). The body and its checksum are unchanged (readers,
+    summaries and object lists key on the body); the same stamp leaves ``data`` as it is."""
     head, sep, body = data.partition(b"\n")
-    if not sep or manifest_stamp(data) is not None:
+    wanted = {"epoch": int(stamp["epoch"]), "token": str(stamp["token"])}
+    if not sep or manifest_stamp(data) == wanted:
         return data
     try:
         envelope = json.loads(head)
@@ -104,7 +106,7 @@ def stamp_manifest(data: bytes, stamp: dict[str, Any]) -> bytes:
         return data  # not a manifest envelope: the reader refuses it as it is
     if not isinstance(envelope, dict):
         return data
-    envelope["lease"] = {"epoch": int(stamp["epoch"]), "token": str(stamp["token"])}
+    envelope["lease"] = wanted
     return json.dumps(envelope, separators=(",", ":")).encode() + b"\n" + body
 
 
@@ -487,8 +489,7 @@ class Store:
         """
         key = self.manifest_key(run, step)
         fence = self.fences.get(run)
-        stamp = getattr(fence, "stamp", None)
-        stamp = stamp() if stamp is not None else None
+        stamp = self._stamp_of(run)
         if stamp is not None:
             # The commit records its lease epoch: readers drop it if it lands after a
             # takeover (FORMAT.md §8, the fence rule).
@@ -502,6 +503,17 @@ class Store:
                 raise
             self._commit(run, step, key, data, fence, overwrite=overwrite)
         self._stamps[(run, step)] = manifest_stamp(data)
+
+    def _stamp_of(self, run: str) -> dict[str, Any] | None:
+        stamp = getattr(self.fences.get(run), "stamp", None)
+        return stamp() if stamp is not None else None
+
+    def stamped(self, run: str, data: bytes) -> bytes:
+        """``data`` as :meth:`commit_manifest` will write it for ``run`` (with this writer's
+        lease stamp): for a caller that needs the committed file's BLAKE3 before the commit
+        (thinning rebinds attachment records to it)."""
+        stamp = self._stamp_of(run)
+        return stamp_manifest(data, stamp) if stamp is not None else data
 
     def _remove_late(self, run: str, step: int) -> bool:
         """Delete the manifest of ``run@step`` if the fence rule refuses it (under this
