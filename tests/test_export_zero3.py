@@ -3,12 +3,15 @@
 Fast: where each parameter lies in the ranks' flat fp32 partitions
 (:func:`~stepvault.ops.export_zero3.zero3_param_slices`) gives the same tensors as
 DeepSpeed's own ``zero_to_fp32.py`` merge of the same partitions (odd sizes, padding, two
-groups, 1-3 ranks). Slow: a real 2-rank ZeRO-3 job on a tiny GPT-2 (tied, frozen and padded
-parameters, two groups) through ``DeepSpeedCheckpointer``, exported: the weights equal
-DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` of DeepSpeed's own save of the
-same state and stepvault's ``load_fp32_state_dict``; the export holds one tensor at a time
-(measured: tracemalloc's peak, and each file's bytes written before the next tensor is
-read); ``from_pretrained`` loads the exported folder and gives the job's logits.
+groups, 1-3 ranks). Slow (CI): the files of a 3-rank ZeRO-3 job (frozen fragments, a tied
+and a half-precision buffer) stored as ``DeepSpeedCheckpointer`` stores them, by two
+processes: the export equals DeepSpeed's own merge. Extended (``-m extended``): a real
+2-rank ZeRO-3 job on a tiny GPT-2 (tied, frozen and padded parameters, two groups) through
+``DeepSpeedCheckpointer``, exported: the weights equal DeepSpeed's own
+``get_fp32_state_dict_from_zero_checkpoint`` of DeepSpeed's own save of the same state and
+stepvault's ``load_fp32_state_dict``; the export holds one tensor at a time (measured:
+tracemalloc's peak, and each file's bytes written before the next tensor is read);
+``from_pretrained`` loads the exported folder and gives the job's logits.
 """
 
 from __future__ import annotations
@@ -95,6 +98,134 @@ def test_zero3_slices_join_the_parameters_as_deepspeeds_own_merge_does(world):
 def test_zero3_slices_refuse_partitions_that_do_not_hold_the_parameters():
     with pytest.raises(StepvaultError, match="do not match"):
         zero3_param_slices([{"w": (3, 3)}], [4], 2)  # 9 elements need 5 per rank
+
+
+def _zero3_files(world: int) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+    """DeepSpeed's ZeRO-3 files of ``world`` ranks (the trees its ``save_checkpoint``
+    hands the checkpoint engine, with the keys ``zero_to_fp32.py`` reads: what
+    ``DeepSpeedCheckpointer`` stores), and the weights they hold: two parameter groups with
+    padded sizes, a frozen parameter (each rank its fragment), a tied parameter and a
+    half-precision buffer."""
+    g = torch.Generator().manual_seed(3)
+    groups = [
+        {"wte.weight": torch.randn(13, 5, generator=g), "ln.weight": torch.randn(7, generator=g)},
+        {"head.bias": torch.randn(3, generator=g), "fc.weight": torch.randn(9, 4, generator=g)},
+    ]
+    frozen = torch.randn(5, 3, generator=g)
+    buffer = torch.randn(6, generator=g).half()
+    flats = _partition(groups, world)
+    part = math.ceil(frozen.numel() / world)
+    padded = torch.cat([frozen.reshape(-1), torch.zeros(part * world - frozen.numel())])
+    files: dict[str, dict] = {}
+    for r in range(world):
+        module = {n: torch.empty(0) for group in groups for n in group}
+        module.update({"wpe.weight": torch.empty(0), "lm_head.weight": torch.empty(0)})
+        module["mask"] = buffer
+        files[f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"] = {
+            "module": module,
+            "buffer_names": ["mask"],
+            "param_shapes": [{n: torch.Size(t.shape) for n, t in gr.items()} for gr in groups],
+            "frozen_param_shapes": {"wpe.weight": torch.Size(frozen.shape)},
+            "frozen_param_fragments": {"wpe.weight": padded[r * part : (r + 1) * part].clone()},
+            "shared_params": {"lm_head.weight": "wte.weight"},
+            "ds_version": "0.19.8",
+        }
+        files[f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"] = {
+            "optimizer_state_dict": {
+                "zero_stage": 3,
+                "partition_count": world,
+                "fp32_flat_groups": [f.clone() for f in flats[r]],
+            }
+        }
+    weights = {n: t for group in groups for n, t in group.items()}
+    weights.update({"wpe.weight": frozen, "lm_head.weight": weights["wte.weight"]})
+    weights["mask"] = buffer.float()
+    return files, weights
+
+
+#: one of two processes saving ZeRO-3 files collectively, as DeepSpeedCheckpointer does
+#: (argv: root, files, rendezvous file, rank): rank r the files of ranks r, r + 2, ...
+_SAVE_FILES = """
+import re, sys, torch, torch.distributed as dist
+from stepvault import CheckpointManager
+from stepvault.ops.migrate.deepspeed import TensorRef, pack_file
+from stepvault.state import register_type
+# the packed layout's one type (register_deepspeed_types' first line; the rest would
+# import DeepSpeed, whose own objects these files do not hold)
+register_type(TensorRef, "stepvault.deepspeed.TensorRef", lambda r: r.index, TensorRef)
+rank = int(sys.argv[4])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=rank, world_size=2)
+files = torch.load(sys.argv[2])
+mine = {n: t for n, t in files.items() if int(re.search(r"rank_(\\d+)_", n)[1]) % 2 == rank}
+with CheckpointManager(sys.argv[1], "z3", async_save=False) as mgr:
+    mgr.save(3, {"deepspeed": {n: pack_file(t) for n, t in mine.items()}}, force=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two small processes (no framework): the one ZeRO-3 export test in CI
+def test_zero3_export_of_a_stored_checkpoint_equals_deepspeeds_own_merge(tmp_path):
+    """DeepSpeedCheckpointer's stored layout (each file packed, written collectively by two
+    processes), the files of a 3-rank ZeRO-3 job: the export reads each weight's ranges of the
+    stored partitions and equals DeepSpeed's own zero_to_fp32 merge of the same files."""
+    from deepspeed.utils.zero_to_fp32 import (
+        _get_fp32_state_dict_from_zero3_checkpoint,
+        to_torch_tensor,
+        zero_model_state,
+    )
+    from safetensors.torch import load_file
+
+    from stepvault.ops.export import export_weights
+    from stepvault.store import Store
+
+    files, weights = _zero3_files(3)
+    torch.save(files, tmp_path / "files.pt")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _SAVE_FILES,
+                str(tmp_path / "store"),
+                str(tmp_path / "files.pt"),
+                str(tmp_path / "rendezvous"),
+                str(rank),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+
+    path = tmp_path / "w.safetensors"
+    export_weights(Store.open(tmp_path / "store"), "z3", 3, path)
+    exported = load_file(path)
+    model = [files[f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"] for r in range(3)]
+    states = [
+        zero_model_state(
+            buffers={"mask": m["module"]["mask"].float()},
+            param_shapes=m["param_shapes"],
+            shared_params=list(m["shared_params"].items()),
+            ds_version=m["ds_version"],
+            frozen_param_shapes=m["frozen_param_shapes"],
+            frozen_param_fragments=m["frozen_param_fragments"],
+        )
+        for m in model
+    ]
+    flats = [
+        files[f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"]["optimizer_state_dict"][
+            "fp32_flat_groups"
+        ]
+        for r in range(3)
+    ]
+    theirs = to_torch_tensor(_get_fp32_state_dict_from_zero3_checkpoint(3, flats, states, False))
+    assert set(exported) == set(theirs) == set(weights)
+    assert [n for n in theirs if not torch.equal(exported[n], theirs[n])] == []
+    assert [n for n in weights if not torch.equal(exported[n], weights[n])] == []
 
 
 # ------------------------------------------------------------------ a real 2-rank job
