@@ -6,6 +6,15 @@ one object anyway). Only the coordinator commits, after every rank reported succ
 manifest holds DCP's metadata as plain JSON (no pickle) in its ``sharded`` section, and
 the commit is the one every save runs (``catalog/commit.py``: delta bases listed, the
 atomic commit, the summary row).
+
+Each tensor a rank writes starts its own chunk (large ones are still cut at the store's
+``chunk_size``), where a one-process save bundles tensors under ``small_tensor`` (1 MiB).
+A rank's shards are small (a model's tensors divided by the world size), so bundled they
+mixed frozen tensors with trained ones in the same objects and a fine-tune with frozen
+layers wrote its frozen shards again at every save. Only tensors under
+:attr:`StepvaultWriter.bundle_below` bytes (scalars: the optimizer's step counters, which
+change at every save anyway) are still bundled: an object of their own would cost more in
+its header and fsync than they hold.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from ..engine import CheckpointReader, to_host, write_objects
 from ..engine.parent import find_parent, remember_commit
 from ..errors import ManifestError, StepvaultError
 from ..format import Manifest, ObjectEntry, parse_manifest
+from ..format.chunking import BUNDLE_ALIGN
 from ..format.encoding import torch_dtype, torch_dtype_name
 from ..format.manifest import TensorEntry
 from ..store import Store, validate_run_name, validate_step
@@ -64,6 +74,11 @@ def _key(fqn: str, offsets: Any) -> str:
 
 class StepvaultWriter(StorageWriter):
     """Writes one checkpoint ``run@step`` from every rank; the coordinator commits it."""
+
+    #: tensors of at least this many bytes start their own chunk (one bundle slot,
+    #: ``BUNDLE_ALIGN``); smaller ones are bundled. Never above the store's
+    #: ``small_tensor``. The module docstring says why.
+    bundle_below: int = BUNDLE_ALIGN
 
     def __init__(
         self,
@@ -133,6 +148,7 @@ class StepvaultWriter(StorageWriter):
             codec=self.codec,
             workers=self.workers,
             digests=None if self.host is None else self.host.digests,
+            small_tensor=self.bundle_below,
         )
         results = []
         for key, index in indexes.items():

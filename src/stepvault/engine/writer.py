@@ -259,6 +259,7 @@ def write_objects(
     workers: int | None = None,
     known: Mapping[str, ObjectEntry] | None = None,
     digests: ChunkDigests | None = None,
+    small_tensor: int | None = None,
 ) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry], WriteStats]:
     """Store ``arrays`` as durable objects; return their tensor entries, objects and stats.
 
@@ -266,6 +267,8 @@ def write_objects(
     (an earlier manifest's object table) spares the lookups of chunks it already names.
     ``digests`` (made for these very ``arrays``) shares chunk digests with the other
     destinations of the same save, so that each chunk is hashed once (:class:`ChunkDigests`).
+    ``small_tensor`` lowers the store's bundling threshold for this write (tensors of at
+    least that many bytes start their own chunk; the collective writer's rank shards).
     """
     t0 = time.perf_counter()
     if digests is not None:
@@ -278,7 +281,10 @@ def write_objects(
     plans = plan_chunks(
         specs,
         chunk_size=int(settings.get("chunk_size", 32 << 20)),
-        small_tensor=int(settings.get("small_tensor", 1 << 20)),
+        small_tensor=min(
+            int(settings.get("small_tensor", 1 << 20)),
+            small_tensor if small_tensor is not None else 1 << 62,
+        ),
         bundle_size=int(settings.get("bundle_size", 8 << 20)),
     )
     writer = _ChunkWriter(store, arrays, codec, known, digests)
