@@ -48,9 +48,16 @@ class LocalScope:
     def check_restore(self, run: str, step: int) -> None:
         """A rank-local manager cannot read a checkpoint written by several ranks."""
         if self.rank_local and distributed_active():
+            # Who meets this: a DDP trainer resuming a sharded (FSDP/DeepSpeed) job's
+            # checkpoint; the ways out must make sense to them, not only to loop writers.
             raise StepvaultError(
-                f"{run}@{step} was saved by several ranks: restore it on every rank with a "
-                "collective manager (collective=None)"
+                f"{run}@{step} was saved by several ranks (a sharded job) and this manager is "
+                "rank-local (a DDP trainer's, or collective=False), which reads only "
+                "checkpoints one process wrote. Resume it with a collective manager on every "
+                "rank (collective=None; a sharding strategy, any number of ranks: the restore "
+                "reshards), or load its weights in one process (stepvault.restore(root, "
+                "{'model': model}, run=..., step=..., strict=False), or `stepvault export`) "
+                "and start the new job from them"
             )
 
     def barrier(self) -> None:

@@ -1,0 +1,125 @@
+"""Resharding through the frameworks: a checkpoint written by a 2-rank sharded (FSDP2) job
+resumed by the same job under another layout, as users change layouts: on one process
+without FSDP (Accelerate), and under DDP (Lightning, the HF Trainer). The state the new
+job starts from (full weights, both AdamW moments, the LR, the step) equals the sharded
+job's state at that checkpoint, bitwise; the new job trains on and commits checkpoints of
+its own layout. (2 -> 4 ranks: test_sharded_lightning.py.)
+
+Multi-process framework jobs: ``extended`` (``-m extended``, outside CI's 30 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ddp_util import ENV, run_job, torchrun
+
+import stepvault
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.extended,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _line(out: str, tag: str) -> str:
+    return next(line.split()[1] for line in out.splitlines() if line.startswith(tag))
+
+
+def _equal(want: dict, got: dict, keys: list[str]) -> None:
+    assert keys and all(k in got for k in keys), sorted(set(keys) - set(got))
+    differ = [k for k in keys if not torch.equal(want[k], got[k])]
+    assert not differ, differ
+
+
+def test_accelerate_fsdp2_checkpoint_of_2_ranks_resumes_on_one_process(tmp_path):
+    """2 -> 1: the FSDP2 job's checkpoint resumed by the same Accelerate job on one process
+    without FSDP (``AcceleratorCheckpointer.restore``), then trained on."""
+    pytest.importorskip("accelerate")
+    script = SCRIPTS / "accelerate_fsdp2_train.py"
+    root = tmp_path / "store"
+    two = tmp_path / "two.pt"
+    out = run_job(torchrun(script, "--root", str(root), "--steps", "12", "--out", str(two)))
+    assert "FRESH" in out
+    assert stepvault.open(root).manifest("accfsdp", 12).sharded
+
+    one = tmp_path / "one.pt"
+    plain = [sys.executable, str(script), "--plain", "--root", str(root)]
+    out = run_job([*plain, "--steps", "12", "--out", str(one)])  # resumes, trains nothing
+    assert "RESUMED 12 epoch=1 skipped=0" in out, out
+    want, got = torch.load(two), torch.load(one)
+    _equal(want, got, [k for k in want if k.split(".")[0] in ("w", "exp_avg", "exp_avg_sq")])
+    _equal(want, got, ["lr", "accelerate_step", "epoch"])
+    # rank 0's RNG travels to the one process: its next draw is rank 0's
+    assert torch.equal(want["rng"][0], got["rng"][0])
+
+    out = run_job([*plain, "--steps", "16", "--out", str(one)])  # and trains on
+    assert "RESUMED 12" in out
+    vault = stepvault.open(root)
+    assert vault.steps("accfsdp")[-1] == 16 and not vault.manifest("accfsdp", 16).sharded
+
+
+def test_lightning_model_parallel_checkpoint_under_ddp_is_refused_saying_why(tmp_path):
+    """FSDP2 -> DDP under Lightning: a ``ModelParallelStrategy`` job's checkpoint, resumed
+    by the same job under ``DDPStrategy`` (2 processes, Lightning's launcher), is refused on
+    every rank before anything is read or written: DDP's checkpoints go through a rank-local
+    manager, which reads only checkpoints one process wrote (Lightning itself cannot load a
+    sharded checkpoint under DDP either). The message says why and names the ways out: a
+    sharding strategy (2 -> 4 ranks: test_sharded_lightning.py), or the weights in one
+    process."""
+    pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("torchdata.stateful_dataloader")
+    script = SCRIPTS / "lightning_fsdp_to_ddp.py"
+    root = tmp_path / "store"
+
+    def job(strategy: str, steps: int) -> str:
+        cmd = [sys.executable, str(script), "--root", str(root), "--strategy", strategy]
+        return run_job([*cmd, "--max-steps", str(steps)], timeout=420)
+
+    sharded = job("model_parallel", 8)  # 8 batches per rank and epoch: saves at 4 and 8
+    assert "FRESH" in sharded and stepvault.open(root).manifest("layout", 8).sharded
+    ddp = job("ddp", 12)  # returns: no rank is left waiting in a collective
+    refused = next(line for line in ddp.splitlines() if line.startswith("REFUSED"))
+    assert "layout@8 was saved by several ranks" in refused and "rank-local" in refused
+    assert "sharding strategy" in refused and "stepvault.restore(" in refused
+    assert "RESTORED" not in ddp  # training never started
+    assert stepvault.open(root).steps("layout") == [4, 8]  # nothing written
+
+
+def test_trainer_fsdp2_checkpoint_under_ddp_is_refused_saying_why(tmp_path):
+    """FSDP2 -> DDP under the HF Trainer: the FSDP2 job's checkpoint, resumed by the same
+    Trainer job under plain DDP (torchrun, 2 processes), is refused on every rank before
+    training starts, saying why and what to use (the Trainer itself cannot resume its FSDP
+    ``pytorch_model_fsdp_0`` folder under DDP either)."""
+    pytest.importorskip("transformers")
+    env = {**ENV, "DS_ACCELERATOR": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")])
+    root = tmp_path / "store"
+    sharded = torchrun(SCRIPTS / "transformers_sharded_train.py", "--shard", "fsdp2",
+                       "--root", str(root), "--max-steps", "12", "--save-every", "4")  # fmt: skip
+    _run(sharded, env)
+    assert stepvault.open(root).manifest("gpt", 12).sharded
+
+    restored = tmp_path / "restored.pt"
+    ddp = torchrun(SCRIPTS / "transformers_ddp_resume.py", "--root", str(root),
+                   "--max-steps", "16", "--restored", str(restored))  # fmt: skip
+    out = _run(ddp, env)  # returns: no rank is left waiting in a collective
+    refused = next(line for line in out.splitlines() if line.startswith("REFUSED"))
+    assert "gpt@12 was saved by several ranks" in refused and "rank-local" in refused
+    assert "sharding strategy" in refused and "stepvault.restore(" in refused
+    assert not restored.exists()  # training never started
+    assert stepvault.open(root).steps("gpt") == [4, 8, 12]  # nothing written
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float = 420) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
