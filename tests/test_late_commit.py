@@ -38,10 +38,10 @@ from stepvault.manager.leasing import LeaseKeeper
 from stepvault.manager.scope import fenced
 from stepvault.ops.verify import verify_store
 from stepvault.store import Store
+from stepvault.store.fencing import manifest_stamp
 from stepvault.store.fsspec_backend import open_fsspec
 from stepvault.store.lease import acquire_lease
 from stepvault.store.local import LocalBackend
-from stepvault.store.repository import manifest_stamp
 
 TTL = 1.0  # lease stale_after: short, so the test pauses for a second only
 

@@ -28,7 +28,7 @@ A lease found lost stays lost (:attr:`Lease.lost`): every later commit is refuse
 **Epochs close the window the S3 fence leaves** (a PUT that passed the guard but reaches the
 server after a takeover: a partition, a frozen VM). Every acquire or takeover starts a new
 lease *epoch* (one more than any before); every manifest committed under the lease carries
-``{"epoch", "token"}`` in its envelope (:func:`~.repository.stamp_manifest`). Before taking
+``{"epoch", "token"}`` in its envelope (:func:`~.fencing.stamp_manifest`). Before taking
 the lease the new holder lists the run's checkpoints, and right after, before it commits
 anything, it writes the fence record ``refs/fences/<run>/<epoch>.json`` naming them. Readers
 (:meth:`Store.list_steps <.repository.Store.list_steps>`, ``read_manifest``) drop a manifest
@@ -51,8 +51,9 @@ from typing import Any
 
 from ..errors import LeaseHeldError, LeaseLostError
 from .backend import PreconditionFailed
+from .fencing import fence_key
 from .names import validate_run_name
-from .repository import Store, fence_key
+from .repository import Store
 
 #: Default seconds without a heartbeat after which a lease counts as abandoned.
 DEFAULT_STALE_AFTER = 300.0

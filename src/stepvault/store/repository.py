@@ -29,7 +29,6 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import (
@@ -40,6 +39,7 @@ from ..errors import (
     StoreVersionError,
 )
 from .backend import Backend, Buffer
+from .fencing import FenceRecords, fence_key, manifest_stamp, stamp_manifest
 from .local import LocalBackend
 from .names import validate_run_name, validate_step
 from .signing import Signer, signer_from_env
@@ -64,99 +64,6 @@ class Fence(Protocol):
         """``{"epoch", "token"}`` recorded in the envelope of every manifest committed
         under this fence (FORMAT.md §8, "the fence rule"); None: no stamp."""
         ...
-
-
-def fence_key(run: str, epoch: int) -> str:
-    """``refs/fences/<run>/<epoch>.json``: the steps visible when lease epoch ``epoch``
-    began (written by its holder right after the takeover, before it commits anything)."""
-    return f"refs/fences/{validate_run_name(run)}/{int(epoch)}.json"
-
-
-def manifest_stamp(data: bytes) -> dict[str, Any] | None:
-    """The lease stamp in a manifest's envelope line (``{"epoch": int, "token": str}``), or
-    None (a manifest committed without a lease, or by a stepvault older than stamps)."""
-    head = data[: data.find(b"\n", 0, 4096)] if b"\n" in data[:4096] else b""
-    if b'"lease"' not in head:
-        return None
-    try:
-        lease = json.loads(head).get("lease")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    if (
-        isinstance(lease, dict)
-        and type(lease.get("epoch")) is int
-        and isinstance(lease.get("token"), str)
-    ):
-        return {"epoch": lease["epoch"], "token": lease["token"]}
-    return None
-
-
-def stamp_manifest(data: bytes, stamp: dict[str, Any]) -> bytes:
-    """``data`` with ``stamp`` in its envelope line (replacing another one: a copy committed
-    by the holder of a later epoch, e.g. a memory checkpoint of a crashed writer flushed to
-    disk, is that holder's commit). The body and its checksum are unchanged (readers,
-    summaries and object lists key on the body); the same stamp leaves ``data`` as it is."""
-    head, sep, body = data.partition(b"\n")
-    wanted = {"epoch": int(stamp["epoch"]), "token": str(stamp["token"])}
-    if not sep or manifest_stamp(data) == wanted:
-        return data
-    try:
-        envelope = json.loads(head)
-    except ValueError:
-        return data  # not a manifest envelope: the reader refuses it as it is
-    if not isinstance(envelope, dict):
-        return data
-    envelope["lease"] = wanted
-    return json.dumps(envelope, separators=(",", ":")).encode() + b"\n" + body
-
-
-@dataclass(frozen=True)
-class FenceRecords:
-    """The fence records of one run (``refs/fences/<run>/``): which lease epochs began, and
-    what was visible when each began. Decides whether a stamped manifest counts (the fence
-    rule, FORMAT.md §8): one stamped with epoch ``e`` is a checkpoint unless a later epoch
-    began and the first such epoch's record does not list its step — it landed after that
-    takeover (a stale writer's commit in flight through a partition, or a frozen process)."""
-
-    records: dict[int, dict[str, Any]]
-
-    @property
-    def epochs(self) -> list[int]:
-        return sorted(self.records)
-
-    @property
-    def current(self) -> int:
-        return max(self.records, default=0)
-
-    def refusal(
-        self, step: int, stamp: dict[str, Any] | None, *, memory: bool = False
-    ) -> str | None:
-        """Why a manifest of ``step`` with ``stamp`` is not a checkpoint; None when it is.
-
-        ``memory``: a node-memory copy, checked by the same rule, except that an epoch
-        whose holder had exited or released the run (no process of it left to commit late)
-        keeps its memory checkpoints across the takeovers that followed that end."""
-        if stamp is None:
-            return None  # no lease, or written before stamps: valid as ever
-        epoch = stamp["epoch"]
-        later = [e for e in self.records if e > epoch]
-        if not later:
-            return None
-        first = min(later)
-        record = self.records[first]
-        if step in set(record.get("visible") or []):
-            return None
-        if memory and all(
-            (self.records[e].get("previous") or {}).get("ended") in ("released", "exited", None)
-            for e in later
-        ):
-            return None
-        owner = record.get("owner") or {}
-        return (
-            f"landed after takeover by {owner.get('host', '?')} pid {owner.get('pid', '?')} "
-            f"(lease epoch {first}; this manifest was committed under epoch {epoch}, whose "
-            "writer had lost the run)"
-        )
 
 
 def backend_for(root: str | os.PathLike[str] | Backend, **storage_options: Any) -> Backend:
