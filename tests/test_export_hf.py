@@ -298,3 +298,72 @@ def test_untied_head_is_kept_and_reloads_untied(tmp_path):
     ids = torch.tensor([[4, 5, 6]])
     with torch.no_grad():
         assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
+
+
+class _Holder(torch.nn.Module):
+    """A module holding a transformers model, as a LightningModule does (``self.net``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(2, 2)  # not the model's: left out by the prefix
+        self.net = model
+
+
+def test_config_given_at_export_a_path_or_the_module_holding_the_model(tmp_path):
+    from stepvault.errors import ExportError
+    from stepvault.ops.export_hf import export_checkpoint
+    from stepvault.store import Store
+
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    holder = _Holder(model)
+    root = tmp_path / "s"
+    stepvault.save(root, {"model": holder}, run="h", step=1)  # no config.json attached
+    store = Store.open(root)
+    ids = torch.tensor([[4, 5, 6, 7]])
+    with torch.no_grad():
+        want = model(ids).logits
+
+    # the holder itself: its PreTrainedModel's config (architectures set) and prefix "net."
+    report = export_checkpoint(store, "h", 1, tmp_path / "a", config=holder)
+    assert report.format == "hf" and report.tied == {"lm_head.weight": "transformer.wte.weight"}
+    loaded, messages = load_quietly(AutoModelForCausalLM.from_pretrained, tmp_path / "a")
+    assert messages == []  # no missing or unexpected weight (the holder's head left out)
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, want)
+
+    # the CLI: a folder save_pretrained wrote, and the prefix by hand
+    model.save_pretrained(tmp_path / "cfg")
+    out = tmp_path / "b"
+    done = cli(root, "export", "h@1", "-o", str(out), "--config", str(tmp_path / "cfg"),
+               "--strip-prefix", "net.", "--include", "^net\\.")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    loaded, messages = load_quietly(AutoModelForCausalLM.from_pretrained, out)
+    assert messages == []
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, want)
+
+    # what cannot work says why and what to give instead; nothing is written
+    with pytest.raises(ExportError, match="no such file"):
+        export_checkpoint(store, "h", 1, tmp_path / "c", config=tmp_path / "missing")
+    with pytest.raises(ExportError, match="holds no transformers PreTrainedModel"):
+        export_checkpoint(store, "h", 1, tmp_path / "c", config=torch.nn.Linear(2, 2))
+    with pytest.raises(ExportError, match="does not apply to format 'safetensors'"):
+        export_checkpoint(store, "h", 1, tmp_path / "c", format="safetensors", config=holder)
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_failed_export_leaves_no_file_under_its_name(gpt_run, tmp_path):
+    """The streamed writer writes beside the final name and renames at the end."""
+    from stepvault.ops.export import export_weights
+    from stepvault.store import Store
+
+    out = tmp_path / "w.safetensors"
+
+    def fail_midway(done: int, total: int | None) -> None:
+        if done > (total or 0) // 2:
+            raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        export_weights(Store.open(gpt_run[0]), "gpt", None, out, progress=fail_midway)
+    assert list(tmp_path.iterdir()) == []

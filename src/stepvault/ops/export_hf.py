@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -281,8 +282,8 @@ def export_folder(
     (a plain DeepSpeed job, a LightningModule holding a transformers model): the path of a
     ``config.json`` (or of a folder holding one), a dict, a transformers config, or the
     live model: a ``PreTrainedModel``, or any module holding one (its config, with
-    ``architectures`` set to its class; its path in the module becomes ``strip_prefix``
-    unless one is given).
+    ``architectures`` set to its class; unless ``strip_prefix`` is given, only the weights
+    under its path in the module are exported, with that prefix stripped).
     """
     vault = Vault(store)
     m = vault.checkpoint(run, step).manifest
@@ -293,7 +294,9 @@ def export_folder(
     if config is not None:
         given, prefix = model_config(config)
         if strip_prefix is None and prefix:
+            # the transformers model inside a module: only its weights, under its names
             strip_prefix = prefix
+            include = include or "^" + re.escape(prefix)
     if hf and given is None and MODEL_CONFIG not in attachments:
         raise ExportError(
             f"{run}@{step} has no '{MODEL_CONFIG}' attachment, which an HF export needs "
