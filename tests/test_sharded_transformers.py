@@ -140,16 +140,26 @@ def test_fsdp1_in_one_process_is_refused_naming_torchrun(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_deepspeed_zero2_sigkill_resume_bitwise_and_from_pretrained_export(tmp_path):
+def test_deepspeed_zero2_sigkill_damaged_shard_resume_bitwise_and_from_pretrained_export(
+    tmp_path,
+):
     common = ["--shard", "zero2", "--max-steps", "12", "--save-every", "4"]
     straight = tmp_path / "straight.pt"
     _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
 
     store = tmp_path / "store"
     _run_and_kill(*common, "--root", str(store), "--hold-after", "8")
+    # one bit of rank 1's ZeRO-2 partition: both ranks fall back to 4
+    _damage_rank1(store, 8, "deepspeed.zero_pp_rank_1_mp_rank_00_optim_states.pt.tensors")
     out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"))
-    assert "RESUMED 8 skipped=0" in out, out[-3000:]
+    assert "RESUMED 4 skipped=1" in out, out[-3000:]
     _same(tmp_path / "sv.pt", straight)
+    # the resume is in the run's event log, as every other resume is (the damage with it)
+    from stepvault.catalog.events import read_events
+    from stepvault.store import Store
+
+    restores = [e for e in read_events(Store.open(store), "gpt") if e["event"] == "restore"]
+    assert [(e["step"], [k["step"] for k in e["skipped"]]) for e in restores] == [(4, [8])]
 
     # 2 -> 1: the Trainer's DeepSpeed checkpoint as full fp32 weights in this process
     from stepvault.integrations.deepspeed import load_fp32_state_dict

@@ -36,8 +36,8 @@ checkpoint is committed only once every rank has written its part. With an FSDP 
 SHARD_GRAD_OP, flat or original parameters) the prepared models and optimizers are sharded:
 every rank writes and restores its own shards (DTensors; FSDP1 is given the 1-D world
 device mesh that makes its state dicts DTensors), the optimizer's moments are loaded into
-the live optimizer (not into an empty template, as Accelerate's own FSDP1 ``load_state``
-does), and the checkpoint restores on another number of ranks or in one process. With a
+the live optimizer through ``set_state_dict``, and the checkpoint restores on another
+number of ranks or in one process. With a
 DeepSpeed plugin (ZeRO 1/2/3) :class:`AcceleratorCheckpointer` saves and resumes the
 prepared model's DeepSpeed engine through
 :class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer` (every rank its own ZeRO

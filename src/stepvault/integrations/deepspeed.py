@@ -274,8 +274,10 @@ class DeepSpeedCheckpointer:
         source = Source(store, self.run)
         ref: Any = step if step == "latest" else int(step)
         offer = share_choice(source, lambda: source.choose(ref))
+        session = self.manager._p.session  # the run's event log, as every resume writes
         if not offer.steps:
             self.last_restore = None
+            session.event("restore", step=None, result="fresh start")
             return None
         loaded: dict[str, Any] = {}
 
@@ -322,7 +324,18 @@ class DeepSpeedCheckpointer:
             time.perf_counter() - t0,
         )
         self.client_state = dict(_client or {})
-        return self.last_restore
+        info = self.last_restore
+        session.stats.restored(True, len(info.skipped))
+        for k in info.skipped:
+            session.forget(k.step)
+        session.event(
+            "restore",
+            step=info.step,
+            requested=str(step),
+            skipped=[{"step": k.step, "reason": k.reason} for k in info.skipped],
+            seconds=time.perf_counter() - t0,
+        )
+        return info
 
     def _needed(self, name: str) -> bool:
         """Whether DeepSpeed's load on this rank reads file ``name``."""

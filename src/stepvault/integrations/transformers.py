@@ -54,7 +54,6 @@ import math
 import os
 import shutil
 import tempfile
-import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -446,26 +445,19 @@ class StepvaultTrainerMixin(_TrainerBase):
 
     # --------------------------------------------------------- sharded (DeepSpeed, FSDP2)
     def _stepvault_choose_sharded(self, cb: StepvaultCallback, step: Any) -> str:
-        """Collective: the checkpoint a sharded job resumes from, chosen before the
-        Trainer builds its engine or shards its model (it reads ``trainer_state.json``
-        first, to place the data).
+        """Collective: the checkpoint a sharded job resumes from, proposed before the
+        Trainer builds its engine or shards its model (``train()`` reads
+        ``trainer_state.json`` first).
 
-        Rank 0 proposes the newest full checkpoint (or exactly ``step``); every rank
-        verifies its share of the candidate's objects and the ranks agree, so damage in
-        any shard makes every rank fall back together. The shards are read (and verified
-        again) into the engine or the sharded model once they exist
-        (:meth:`_prepare_for_training`).
+        Rank 0 proposes the newest full checkpoint (or exactly ``step``) from the manifests
+        alone; no object is read here. The load (:meth:`_stepvault_load_early`) reads each
+        object once, verifying it as it loads, and damage on any rank makes every rank fall
+        back together; ``trainer_state.json`` is then rewritten for the step loaded.
         """
         from ..catalog import checkpoint_records
-        from ..core.info import SkippedCheckpoint
         from ..core.planner import Source, share_choice
-        from ..distributed.agreement import agree, try_candidates
-        from ..engine.fetch import fetch_object
-        from ..errors import IntegrityError
-        from ..format import decode_value
         from ..store import Store
 
-        t0 = time.perf_counter()
         store = Store.open(cb.root)
         source = Source(
             store, cb.run, records=lambda: checkpoint_records(store, cb.run, protected=False)
@@ -477,60 +469,67 @@ class StepvaultTrainerMixin(_TrainerBase):
                 f"No checkpoint found in stepvault run {cb.run!r} of {cb.root} "
                 "(resume_from_checkpoint=ckpt.has_checkpoint starts fresh when there is none)"
             )
-        rank, world = rank_and_world()
+        scratch = tempfile.mkdtemp(prefix="stepvault-resume-")
+        _write_trainer_state(scratch, cb, max(offer.steps) if ref == "latest" else ref)
+        self._stepvault_resume = (scratch, {"sharded": ref})
+        return scratch
 
-        def attempt(candidate: int, manifest: Any) -> None:
-            damage: BaseException | None = None
-            try:  # this rank's share of the objects: the ranks read each byte once
-                for digest in sorted(manifest.objects)[rank::world]:
-                    fetch_object(store, digest, verify=True)
-            except IntegrityError as exc:
-                damage = exc
-            except FileNotFoundError as exc:
-                damage = IntegrityError(f"{cb.run}@{candidate}: object missing: {exc}")
-            agree(store, damage, f"{cb.run}@{candidate}")
+    # Transformers 5.x: called by the training loop right before it reads the checkpoint's
+    # trainer_state.json (which places the data); a sharded stepvault resume loads here.
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> Any:
+        values = super().set_initial_training_values(args, dataloader)
+        resume = self._stepvault_resume
+        if resume is not None and "sharded" in resume[1] and "early" not in resume[1]:
+            max_steps = values[-1]
+            resume[1]["early"] = self._stepvault_load_early(max_steps, dataloader, resume)
+        return values
 
-        chosen, manifest, skipped = try_candidates(store, cb.run, offer, attempt)
-        metadata = decode_value(manifest.metadata, lambda kind, name: None)
-        info = RestoreInfo.of_manifest(
-            manifest,
-            metadata,
-            [SkippedCheckpoint(s, r) for s, r in skipped],
-            time.perf_counter() - t0,
-        )
+    def _stepvault_load_early(
+        self, max_steps: Any, dataloader: Any, resume: tuple[str, dict[str, Any]]
+    ) -> tuple[Any, Any]:
+        """Collective: build the engine / shard the model (the Trainer's own
+        ``_prepare_for_training``, which the training loop would run next), load the newest
+        checkpoint that verifies on every rank into it, and write the loaded step's
+        ``trainer_state.json`` for the training loop to place the data by."""
+        scratch, tree = resume
+        model, loader = self._stepvault_prepare_sharded(max_steps, dataloader, None)
+        cb = self._stepvault_callback()
+        info = self._stepvault_load_sharded(cb, tree)
         cb.last_restore = info
-        if rank == 0:
+        if rank_and_world()[0] == 0:
             for sk in info.skipped:
                 warnings.warn(
                     f"stepvault: skipped damaged checkpoint {cb.run}@{sk.step}: {sk.reason}",
                     RuntimeWarning,
                     stacklevel=3,
                 )
-        trainer_state = _trainer_state_of(manifest, metadata)
-        if trainer_state is None:
-            epoch = float(info.epoch) if info.epoch is not None else 0.0
-            trainer_state = dataclasses.asdict(TrainerState(global_step=chosen, epoch=epoch))
-        scratch = tempfile.mkdtemp(prefix="stepvault-resume-")
-        with open(os.path.join(scratch, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
-            json.dump(trainer_state, f)
-        self._stepvault_resume = (scratch, {"sharded": chosen})
-        return scratch
+        _write_trainer_state(scratch, cb, info.step, info.epoch)
+        return model, loader
 
-    # Transformers 5.x: wraps, shards (FSDP2) or builds the DeepSpeed engine, creates the
+    # Transformers 5.x: wraps, shards (FSDP) or builds the DeepSpeed engine, creates the
     # optimizer and scheduler, then loads a checkpoint into them.
     def _prepare_for_training(
         self, max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any
     ) -> tuple[Any, Any]:
-        mode = self._stepvault_sharding
-        tree = self._stepvault_restored(resume_from_checkpoint)
-        if mode is None:
+        if self._stepvault_sharding is None:
             return super()._prepare_for_training(
                 max_steps, train_dataloader, resume_from_checkpoint
             )
-        # A stepvault resume loads below, once the engine / sharded model exist; an
-        # ordinary checkpoint folder is loaded by the Trainer as usual.
+        tree = self._stepvault_restored(resume_from_checkpoint)
+        if tree is not None and "early" in tree:  # prepared and loaded already
+            early: tuple[Any, Any] = tree.pop("early")
+            return early
+        # An ordinary checkpoint folder is loaded by the Trainer as usual.
+        return self._stepvault_prepare_sharded(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def _stepvault_prepare_sharded(
+        self, max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any
+    ) -> tuple[Any, Any]:
+        """The Trainer's own ``_prepare_for_training``, then every rank's collective
+        manager (DeepSpeed's: the engine's checkpointer)."""
+        mode = self._stepvault_sharding
         model, loader = super()._prepare_for_training(
-            max_steps, train_dataloader, None if tree is not None else resume_from_checkpoint
+            max_steps, train_dataloader, resume_from_checkpoint
         )
         cb = self._stepvault_callback()
         # The collective writer takes no attachments: the model's files are attached to
@@ -566,8 +565,6 @@ class StepvaultTrainerMixin(_TrainerBase):
                     **options,
                 )
             )
-        if tree is not None:
-            self._stepvault_load_sharded(cb, tree)
         return model, loader
 
     def _stepvault_sharded_state(self) -> dict[str, Any]:
@@ -585,24 +582,29 @@ class StepvaultTrainerMixin(_TrainerBase):
             state["scaler"] = scaler
         return state
 
-    def _stepvault_load_sharded(self, cb: StepvaultCallback, tree: dict[str, Any]) -> None:
-        """Collective: load exactly the step :meth:`_stepvault_choose_sharded` chose into
-        the engine (DeepSpeed's own loader, fed by the checkpoint engine) or the FSDP2
-        shards (the collective restore); keep this rank's RNG state for the Trainer's
-        ``_load_rng_state``, which it calls once the data is in place."""
-        step = int(tree["sharded"])
+    def _stepvault_load_sharded(self, cb: StepvaultCallback, tree: dict[str, Any]) -> RestoreInfo:
+        """Collective: load the newest checkpoint that verifies on every rank (or exactly
+        the step asked for) into the engine (DeepSpeed's own loader, fed by the checkpoint
+        engine) or the FSDP shards (the collective restore). Each object is read once and
+        verified as it is read; damage on any rank makes every rank fall back together.
+        Keeps this rank's RNG state for the Trainer's ``_load_rng_state``, which it calls
+        once the data is in place."""
+        ref = tree["sharded"]
+        info: RestoreInfo | None
         if self._stepvault_ds is not None:
             ds = self._stepvault_ds
-            ds.resume(step, load_module_strict=True)
+            info = ds.resume(ref, load_module_strict=True)
             scheduler = ds.client_state.get(_HF_SCHEDULER)
             if scheduler is not None:  # the Trainer's own scheduler (not DeepSpeed's)
                 self.lr_scheduler.load_state_dict(scheduler)  # type: ignore[union-attr]
         else:
             mgr = cb.open()
             assert mgr is not None
-            state = self._stepvault_sharded_state()
-            mgr.restore(state, step)
+            info = mgr.restore(self._stepvault_sharded_state(), ref)
+        if info is None:  # deleted since the choice
+            raise ValueError(f"No checkpoint found in stepvault run {cb.run!r} of {cb.root}")
         tree["rng"] = RNGState().state_dict()  # this rank's, as just restored
+        return info
 
     def _stepvault_save_sharded(self, cb: StepvaultCallback) -> None:
         """Collective: every rank writes its shards into one checkpoint (the collective
@@ -831,6 +833,24 @@ def _trainer_state_of(manifest: Any, metadata: Any) -> dict[str, Any] | None:
         loaded = json.loads(text)
         return loaded if isinstance(loaded, dict) else None
     return None
+
+
+def _write_trainer_state(
+    folder: str, cb: StepvaultCallback, step: int, epoch: float | None = None
+) -> None:
+    """Write ``folder/trainer_state.json``: the ``TrainerState`` checkpoint ``run@step``
+    holds (read from its manifest alone), or one at its step when it holds none."""
+    from ..format import decode_value, parse_manifest
+    from ..store import Store
+
+    manifest = parse_manifest(Store.open(cb.root).read_manifest(cb.run, step), f"{cb.run}@{step}")
+    metadata = decode_value(manifest.metadata, lambda kind, name: None)
+    state = _trainer_state_of(manifest, metadata)
+    if state is None:
+        epoch = epoch if epoch is not None else manifest.epoch
+        state = dataclasses.asdict(TrainerState(global_step=step, epoch=float(epoch or 0)))
+    with open(os.path.join(folder, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+        json.dump(state, f)
 
 
 def _holder(cb: StepvaultCallback, model: Any, step: Any) -> dict[str, Any]:
