@@ -105,12 +105,17 @@ def _zero3_files(world: int) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
     hands the checkpoint engine, with the keys ``zero_to_fp32.py`` reads: what
     ``DeepSpeedCheckpointer`` stores), and the weights they hold: two parameter groups with
     padded sizes, a frozen parameter (each rank its fragment), a tied parameter and a
-    half-precision buffer."""
+    half-precision buffer; eight 1.2 MB weights, so that holding one at a time shows."""
     g = torch.Generator().manual_seed(3)
     groups = [
-        {"wte.weight": torch.randn(13, 5, generator=g), "ln.weight": torch.randn(7, generator=g)},
-        {"head.bias": torch.randn(3, generator=g), "fc.weight": torch.randn(9, 4, generator=g)},
+        {
+            "wte.weight": torch.randn(601, 499, generator=g),
+            "ln.weight": torch.randn(7, generator=g),
+        },
+        {"head.bias": torch.randn(3, generator=g)},
     ]
+    for i in range(7):
+        groups[i % 2][f"h.{i}.weight"] = torch.randn(599, 501 + i, generator=g)
     frozen = torch.randn(5, 3, generator=g)
     buffer = torch.randn(6, generator=g).half()
     flats = _partition(groups, world)
@@ -166,8 +171,9 @@ dist.destroy_process_group()
 @pytest.mark.slow  # two small processes (no framework): the one ZeRO-3 export test in CI
 def test_zero3_export_of_a_stored_checkpoint_equals_deepspeeds_own_merge(tmp_path):
     """DeepSpeedCheckpointer's stored layout (each file packed, written collectively by two
-    processes), the files of a 3-rank ZeRO-3 job: the export reads each weight's ranges of the
-    stored partitions and equals DeepSpeed's own zero_to_fp32 merge of the same files."""
+    processes), the files of a 3-rank ZeRO-3 job: the export reads each weight's ranges of
+    the stored partitions, holds one weight at a time (tracemalloc) and equals DeepSpeed's
+    own zero_to_fp32 merge of the same files."""
     from deepspeed.utils.zero_to_fp32 import (
         _get_fp32_state_dict_from_zero3_checkpoint,
         to_torch_tensor,
@@ -176,6 +182,7 @@ def test_zero3_export_of_a_stored_checkpoint_equals_deepspeeds_own_merge(tmp_pat
     from safetensors.torch import load_file
 
     from stepvault.ops.export import export_weights
+    from stepvault.ops.migrate.deepspeed import register_deepspeed_types
     from stepvault.store import Store
 
     files, weights = _zero3_files(3)
@@ -202,8 +209,25 @@ def test_zero3_export_of_a_stored_checkpoint_equals_deepspeeds_own_merge(tmp_pat
         assert proc.returncode == 0, out[-3000:]
 
     path = tmp_path / "w.safetensors"
-    export_weights(Store.open(tmp_path / "store"), "z3", 3, path)
+    register_deepspeed_types()  # its imports are not the export's memory
+    memory: list[int] = []
+    tracemalloc.start()
+    try:
+        report = export_weights(
+            Store.open(tmp_path / "store"),
+            "z3",
+            3,
+            path,
+            progress=lambda done, total: memory.append(tracemalloc.get_traced_memory()[0]),
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
     exported = load_file(path)
+    largest = max(t.numel() * t.element_size() for t in exported.values())
+    assert report.total_bytes > 8 * largest
+    assert max(memory) - min(memory) < 2.5 * largest, (memory, largest)
+    assert peak < 3 * largest + 4 * 2**20, (peak, largest, report.total_bytes)
     model = [files[f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"] for r in range(3)]
     states = [
         zero_model_state(
