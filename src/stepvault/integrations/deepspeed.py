@@ -451,7 +451,9 @@ def load_fp32_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The full fp32 weights of a DeepSpeed checkpoint written by any number of ranks, in
     one process and without a process group (for evaluation and export): every object
-    verified, the ZeRO partitions joined (:func:`stepvault.ops.migrate.deepspeed.consolidate`)."""
+    verified, the ZeRO partitions joined (:func:`stepvault.ops.migrate.deepspeed.consolidate`).
+    It holds the whole model (and reads the optimizer files whole); ``stepvault export``
+    writes the same weights one tensor at a time (:mod:`stepvault.ops.export_zero3`)."""
     import stepvault
 
     register_deepspeed_types()
