@@ -92,6 +92,9 @@ class Replicator:
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.own = Store.open(own, create=True, defaults=DEFAULT_STORE_SETTINGS)
+        #: where the run's fence records are (``(hot store, run)``): the replicas held
+        #: here obey the fence rule as the own copies do (FORMAT.md §8); set by the manager
+        self.fence_source: tuple[Store, str] | None = None
         self.mem_root = Path(mem_root)
         self.budget_bytes = budget_bytes
         self.events = events or self.own
@@ -156,7 +159,9 @@ class Replicator:
         root = self.mem_root / "peers" / _safe(node) / f"rank{local}"
         if not create and not root.exists():
             return None
-        return Store.open(root, create=True, defaults=DEFAULT_STORE_SETTINGS)
+        store = Store.open(root, create=True, defaults=DEFAULT_STORE_SETTINGS)
+        store.fence_source = self.fence_source
+        return store
 
     # -- saving side ------------------------------------------------------------------------
     def replicate(self, run: str, step: int) -> None:

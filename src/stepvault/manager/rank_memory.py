@@ -129,6 +129,7 @@ class RankMemory:
             budget_bytes=max(1, node_mem.budget // 2),
             on_event=self._event,  # the run's event log, this rank's events tagged so
         )
+        self.replicator.fence_source = (session.store, session.run)  # replicas: the same rule
         self.replicator.announce(session.run)  # no buddy: a warning and an event, with why
         layout = self.replicator.layout
         local = layout.nodes.count(layout.nodes[self.rank])

@@ -51,6 +51,8 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 _STEP_FILE = re.compile(r"^(0|[1-9][0-9]{0,17})\.json$")
 _HOLD_FILE = re.compile(r"^(0|[1-9][0-9]{0,17})@(.+)\.json$")
 _UNSET = object()
+#: how long node memory reuses the hot store's fence records before listing them again
+FENCE_MEMO_SECONDS = 5.0
 
 
 class Fence(Protocol):
@@ -98,6 +100,8 @@ class Store:
         #: a store that holds its own (``refs/fences/``); a node-memory tier names the hot
         #: store and its run there, so a memory copy obeys the same rule as the disk
         self.fence_source: tuple[Store, str] | None = None
+        #: node memory: the source's fence records by run, with when they were read
+        self._fence_memo: dict[str, tuple[float, FenceRecords]] = {}
         #: fence records read so far, ``(run, epoch) -> record`` (immutable once written)
         self._fence_cache: dict[tuple[str, int], dict[str, Any]] = {}
         #: stamps of manifests known here, ``(run, step) -> stamp`` (this store's commits and
@@ -264,8 +268,16 @@ class Store:
         """The fence records of ``run`` (of :attr:`fence_source` where set): one listing,
         and a read of each record not seen before (records never change)."""
         if self.fence_source is not None and self.fence_source[0] is not self:
+            # Node memory: its listings run on every memory save, and must not add a
+            # request to the hot store (S3) each time; a takeover is seen within seconds.
             source, source_run = self.fence_source
-            return source.fence_records(source_run)
+            memo = self._fence_memo.get(source_run)
+            if memo is None or time.monotonic() - memo[0] > FENCE_MEMO_SECONDS:
+                memo = self._fence_memo[source_run] = (
+                    time.monotonic(),
+                    source.fence_records(source_run),
+                )
+            return memo[1]
         names = self.backend.list(f"refs/fences/{validate_run_name(run)}")
         records: dict[int, dict[str, Any]] = {}
         for name in names:
