@@ -37,6 +37,8 @@ Runs, each in its own process (one crash does not lose the others' sections):
                             and bytes of stepvault's saves vs DeepSpeed's save_checkpoint
 - ``bench_trainer_sharded.py`` issue 30: a 2-rank HF Trainer job with ZeRO-2 / FSDP2,
                             stall, job time and bytes of StepvaultTrainer vs the Trainer's own
+- ``bench_torchtitan.py``   issue 30: a 2-rank torchtitan job (its own environment), stall,
+                            durable save and bytes of stepvault vs torchtitan's DCP sync/async
 
 then writes the ``summary`` section (the issue's targets, each PASS or MISS with its
 measured cause) and a PNG plot linked from it. Each script's own section is rewritten by
@@ -154,6 +156,9 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
         [],
         ["--embd", "64", "--layers", "2", "--saves", "2", "--every", "2", "--no-fine-tune"],
     ),
+    # issue 30: a 2-rank torchtitan job, stepvault vs torchtitan's own DCP (sync and async)
+    # (quick: only where its environment is built already; building it takes minutes)
+    "torchtitan": ([], ["--saves", "2", "--no-build"]),
 }
 WITH_JSON = ("peers", "incremental", "scale", "core", "pipeline")
 #: modules of the ``[bench]`` extra that the full core run needs (real weights, zipnn)

@@ -70,7 +70,16 @@ LAYOUTS = {
         "2",
         "--training.disable_cuda_graphs",  # torchtitan refuses PP with its CUDA-graph flag on
     ],
+    # 4 ranks: FSDP2 over 2 data-parallel ranks, each pair tensor parallel.
+    "dp2_tp2": [
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
 }
+#: processes per layout (2 unless named)
+NPROC = {"dp2_tp2": 4}
 
 
 def _job(
@@ -196,35 +205,40 @@ def test_torchtitan_own_dcp_resume_ends_where_stepvault_does(
 
 @pytest.mark.extended
 def test_torchtitan_config_refuses_keep_latest_k(tt_python):
-    """torchtitan's retention setting is refused with the stepvault one to use instead."""
+    """torchtitan's retention setting is refused with the stepvault one to use instead; an
+    exit code out of range for the preemption save is refused naming the setting."""
     code = (
         "from stepvault.integrations.torchtitan import StepvaultCheckpointManager as M\n"
-        "try:\n    M.Config(enable=True, keep_latest_k=5)\n"
-        "except ValueError as e:\n    print(e)\n"
+        "for bad in ({'keep_latest_k': 5}, {'preemption_exit_code': 300}):\n"
+        "    try:\n        M.Config(enable=True, **bad)\n"
+        "    except ValueError as e:\n        print(e)\n"
     )
     out = subprocess.run(
         [str(tt_python), "-c", code], capture_output=True, text=True, env=ENV, check=True
     )
-    assert "keep_last" in out.stdout and "keep_latest_k=0" in out.stdout, out.stdout + out.stderr
+    keep, exit_code = out.stdout.splitlines()
+    assert "keep_last" in keep and "keep_latest_k=0" in keep, out.stdout + out.stderr
+    assert "preemption_exit_code=300" in exit_code and "0..255" in exit_code, out.stdout
 
 
 @pytest.mark.extended
 @pytest.mark.reference
-@pytest.mark.parametrize("layout", ["tp", "pp"])
+@pytest.mark.parametrize("layout", ["tp", "pp", "dp2_tp2"])
 def test_torchtitan_tp_and_pp_killed_and_resumed_end_where_torchtitans_own_resume_does(
     tt_python, assets, layout, tmp_path
 ):
-    """Tensor parallel (dp_shard 1 x tp 2: every weight a DTensor sharded by TP) and
-    pipeline parallel (pp 2: each rank holds its own stages' plain tensors): the job
+    """Tensor parallel (dp_shard 1 x tp 2: every weight a DTensor sharded by TP),
+    pipeline parallel (pp 2: each rank holds its own stages' plain tensors) and 4 ranks
+    (dp_shard 2 x tp 2: FSDP2 and TP on a 2-D mesh, two dataloader positions): the job
     checkpointed through stepvault, SIGKILLed after its step-6 commit and resumed, ends
     with every rank's shards, AdamW moments, lr, data position and step bitwise equal to
     the same job under torchtitan's own DCP checkpointer, SIGKILLed after its step-6
     folder and resumed."""
-    opts = LAYOUTS[layout]
+    opts, nproc = LAYOUTS[layout], NPROC.get(layout, 2)
     dump, out = tmp_path / "sv", tmp_path / "sv-out"
     root = dump / "checkpoint"
     steps, code = kill_job_when_saved(
-        _job(tt_python, assets, dump, out, *opts, "--stall-after", "7"),
+        _job(tt_python, assets, dump, out, *opts, "--stall-after", "7", nproc=nproc),
         root,
         RUN,
         min_step=6,
@@ -232,18 +246,19 @@ def test_torchtitan_tp_and_pp_killed_and_resumed_end_where_torchtitans_own_resum
     )
     assert code != 0 and steps == [3, 6]
     assert stepvault.open(root).manifest(RUN, 6).sharded  # each rank wrote its own part
-    run_job(_job(tt_python, assets, dump, out, *opts), timeout=600)
-    got = _ranks(out)
-    assert [(r["resumed"], r["skipped"], r["first_step"]) for r in got] == [(6, [], 7)] * 2
+    run_job(_job(tt_python, assets, dump, out, *opts, nproc=nproc), timeout=600)
+    got = _ranks(out, nproc)
+    assert [(r["resumed"], r["skipped"], r["first_step"]) for r in got] == [(6, [], 7)] * nproc
 
     own, own_out = tmp_path / "own", tmp_path / "own-out"
-    job = _job(tt_python, assets, own, own_out, *opts, "--checkpointer", "dcp")
-    assert _killed_after([*job, "--stall-after", "7"], own / "checkpoint/step-6/.metadata", own_out)
+    job = _job(tt_python, assets, own, own_out, *opts, "--checkpointer", "dcp", nproc=nproc)
+    committed = own / "checkpoint/step-6/.metadata"
+    assert _killed_after([*job, "--stall-after", "7"], committed, own_out, nproc)
     run_job(job, timeout=600)
-    want = _ranks(own_out)
-    assert [r["first_step"] for r in want] == [7, 7]
-    assert want[0]["moments"] > 0 and want[1]["moments"] > 0
-    for rank in range(2):
+    want = _ranks(own_out, nproc)
+    assert [r["first_step"] for r in want] == [7] * nproc
+    assert all(r["moments"] > 0 for r in want)
+    for rank in range(nproc):
         assert not _same(got[rank], want[rank]), f"rank {rank}: {_same(got[rank], want[rank])}"
 
 
@@ -337,4 +352,37 @@ def test_torchtitan_checkpoint_exports_to_safetensors(reference, tmp_path):
     got = safetensors.torch.load_file(str(target))
     want = safetensors.torch.load_file(str(reference / "out" / "weights.safetensors"))
     assert sorted(got) == sorted(want) and len(want) > 10
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.extended
+def test_torchtitan_checkpoint_exports_a_hugging_face_folder_from_pretrained_loads(
+    tt_python, reference, tmp_path
+):
+    """``export_hf`` with torchtitan's own llama3 state-dict adapter: the FSDP2 job's last
+    checkpoint becomes a Hugging Face folder that ``LlamaForCausalLM.from_pretrained``
+    loads with no missing or unexpected key, each tensor bitwise the job's full weights
+    mapped by the adapter (names, q/k permutation). The export runs in the torchtitan
+    environment; ``from_pretrained`` here (transformers cannot share that environment)."""
+    transformers = pytest.importorskip("transformers")
+    folder, expected = tmp_path / "hf", tmp_path / "expected.safetensors"
+    subprocess.run(
+        [
+            str(tt_python),
+            str(SCRIPTS / "torchtitan_export_hf.py"),
+            str(reference / "checkpoint"),
+            RUN,
+            "12",
+            str(folder),
+            str(reference / "out" / "weights.safetensors"),
+            str(expected),
+        ],
+        check=True,
+        env=ENV,
+        timeout=600,
+    )
+    model, info = transformers.LlamaForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    got, want = model.state_dict(), safetensors.torch.load_file(str(expected))
+    assert sorted(got) == sorted(want) and "model.layers.5.self_attn.q_proj.weight" in want
     assert all(torch.equal(got[k], want[k]) for k in want)

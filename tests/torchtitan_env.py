@@ -50,10 +50,23 @@ def _pip(python: Path, *args: str) -> None:
         raise RuntimeError(f"building {VENV.name} failed:\n{text[-4000:]}")
 
 
+def _key() -> str:
+    return hashlib.sha256(json.dumps([PINS, CORE, sys.version_info[:2]]).encode()).hexdigest()
+
+
+def ready() -> Path | None:
+    """The environment's python when it is built and current, else None (nothing built:
+    benchmarks/run_all.py's quick run skips torchtitan rather than spend minutes on pip)."""
+    python, stamp = VENV / "bin" / "python", VENV / ".stepvault-stamp"
+    if python.exists() and stamp.exists() and stamp.read_text() == _key():
+        return python
+    return None
+
+
 def build() -> Path:
     """The environment's python, built first when its stamp is missing or stale."""
     python = VENV / "bin" / "python"
-    key = hashlib.sha256(json.dumps([PINS, CORE, sys.version_info[:2]]).encode()).hexdigest()
+    key = _key()
     stamp = VENV / ".stepvault-stamp"
     with open(REPO / ".venv-torchtitan.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a waiter then reuses it

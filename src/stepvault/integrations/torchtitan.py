@@ -37,8 +37,12 @@ encoding instead (one value per data-parallel rank) and loads it back without pi
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,10 +55,14 @@ from .._version import __version__
 from ..catalog.vault import Vault
 from ..distributed.planners import decode_value_bytes, encode_value
 from ..errors import StepvaultError
+from ..format.encoding import torch_dtype
 from ..manager import CheckpointManager
+from ..ops.export import weight_tensors
+from ..ops.safetensors_stream import write_streamed
 from ..policy import Every, KeepEvery, KeepLast, KeepPolicy, OnSignal
+from ..store import Store
 
-__all__ = ["StepvaultCheckpointManager"]
+__all__ = ["StepvaultCheckpointManager", "export_hf"]
 
 
 class _Stateful:
@@ -175,6 +183,12 @@ class StepvaultCheckpointManager(_tt_dcp.CheckpointManager):
                 )
             if self.keep_last < 0 or self.keep_every < 0:
                 raise ValueError("checkpoint.keep_last and keep_every must be >= 0")
+            code = self.preemption_exit_code
+            if code is not None and not 0 <= code <= 255:
+                raise ValueError(
+                    f"checkpoint.preemption_exit_code={code}: an exit code is 0..255; leave "
+                    "it unset for 128 + the signal (143 for SIGTERM)"
+                )
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -330,3 +344,57 @@ def _keep_policy(config: StepvaultCheckpointManager.Config) -> KeepPolicy | None
     for rule in rules[1:]:
         policy = policy | rule
     return policy
+
+
+def export_hf(
+    root: str | os.PathLike[str] | Store,
+    run: str,
+    out: str | os.PathLike[str],
+    *,
+    adapter: Any,
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    step: int | str = "latest",
+) -> Path:
+    """Write a Hugging Face folder (``config.json`` + ``model.safetensors``) of the model
+    in a torchtitan checkpoint, for ``from_pretrained``.
+
+    ``adapter``: torchtitan's state-dict adapter of the model, e.g.
+    ``Llama3StateDictAdapter(model_config, hf_assets_path)`` (``model_spec.state_dict_adapter``):
+    its ``to_hf`` gives the Hugging Face names and layouts (the q/k permutation of llama).
+    ``config``: the Hugging Face model config, a dict or a ``config.json`` path; None takes
+    ``config.json`` from the adapter's ``hf_assets_path``. Each tensor is joined from the
+    ranks' shards, converted and written one at a time: the model is never whole in memory.
+    Returns ``out``.
+    """
+    target = Path(out)
+    if config is None:
+        assets = getattr(adapter, "hf_assets_path", None)
+        if not assets or not (Path(assets) / "config.json").is_file():
+            raise StepvaultError(
+                f"no Hugging Face config for the export: the adapter's hf_assets_path "
+                f"({assets!r}) has no config.json; pass config= (a dict or a config.json path)"
+            )
+        config = Path(assets) / "config.json"
+    hf_config = (
+        dict(config) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
+    )
+    store = root if isinstance(root, Store) else Store.open(root)
+    items = []
+    for name, load in weight_tensors(Vault(store), run, step, "model"):
+        assert load.shape is not None and load.dtype is not None  # a sharded manifest's entry
+        # The plan (names, dtypes, shapes) from meta tensors: nothing is read yet.
+        meta = torch.empty(load.shape, dtype=torch_dtype(load.dtype), device="meta")
+        outs = [(k, v.dtype, tuple(v.shape)) for k, v in adapter.to_hf({name: meta}).items()]
+        if outs:  # e.g. a tied lm_head the adapter drops
+            items.append((name, load, outs))
+    if not items:
+        raise StepvaultError(f"{run}@{step} holds no model weights the adapter maps to HF names")
+
+    def produce(name: str, load: Any) -> dict[str, torch.Tensor]:
+        converted: dict[str, torch.Tensor] = adapter.to_hf({name: load()})
+        return {k: v.contiguous() for k, v in converted.items()}
+
+    target.mkdir(parents=True, exist_ok=True)
+    write_streamed(str(target / "model.safetensors"), items, {"format": "pt"}, produce)
+    (target / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return target
