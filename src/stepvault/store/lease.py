@@ -254,11 +254,13 @@ class Lease:
 class MemoryFence:
     """The fence of a commit into node memory (a mem tier, a rank's own memory).
 
-    It stamps the memory manifest with the lease epoch (a restore then ignores a memory
-    checkpoint that the fence rule refuses: one committed under an epoch that was taken
-    over while its writer may still have been running, and not on disk at the takeover)
-    and refuses once the lease is known lost. It asks the store nothing: a memory commit
-    never waits on the network (``lease``: None on a rank that does not hold the lease).
+    It stamps the memory manifest with the lease epoch; a restore then ignores a memory
+    checkpoint that the fence rule refuses (one committed under an epoch that was taken
+    over while its writer may still have been running, and not on disk at the takeover).
+    It refuses nothing itself and asks the store nothing: a memory commit never waits on
+    the network, and under a process group only rank 0 knows the lease, so a refusal there
+    would stop one rank alone; the lost lease is raised on every rank by the next disk
+    commit (``lease``: the holder's lease, None on the other ranks).
     """
 
     epoch_stamp: dict[str, Any]
@@ -266,9 +268,6 @@ class MemoryFence:
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
-        lost = self.lease.lost if self.lease is not None else None
-        if self.lease is not None and lost is not None:
-            raise self.lease._refusal(what, lost.owner, None)
         yield
 
     def stamp(self) -> dict[str, Any] | None:
