@@ -299,6 +299,27 @@ def check_store(
         outcome.corrupt.append(f"verify: {report}")
 
 
+def late_commits(root: str, via: tuple[netns.Host, dict[str, str]] | None = None) -> list[int]:
+    """Steps whose manifest landed after a takeover (the fence rule, FORMAT.md §8): still
+    in the store and ignored by every reader, or removed by the owner (its
+    ``stale_commit_removed`` events). A trial that saw one shows that the rule held there."""
+    if via is not None:
+        code = (
+            "import json\nfrom hosts import late_commits\n"
+            f"print(json.dumps(late_commits({root!r})))"
+        )
+        return [int(s) for s in in_host(via[0], code, via[1])]  # type: ignore[attr-defined]
+    from stepvault.catalog.events import read_events
+    from stepvault.store import Store
+
+    store = Store.open(root)
+    steps = set(store.stale_commits("r"))
+    steps |= {
+        int(e["step"]) for e in read_events(store, "r") if e.get("event") == "stale_commit_removed"
+    }
+    return sorted(steps)
+
+
 def committed_by(
     root: str, via: tuple[netns.Host, dict[str, str]] | None = None
 ) -> dict[int, object]:
@@ -485,6 +506,9 @@ def run_stale_writer(cluster: netns.Cluster, work: Path, *, steps: int = 12,
     for step, launch in sorted(committed_by(root, via).items()):
         if step > got["step"] and launch != 1:
             outcome.broken.append(f"step {step} committed by launch {launch} after the takeover")
+    late = late_commits(root, via)
+    if late:  # A's commit reached the store after B's takeover: the fence rule held here
+        outcome.notes.append(f"A's late manifests ignored and removed: steps {late}")
     check_store(outcome, root, via)
     _finish(outcome, cluster, root, work, steps, ref, 2, hosts=a_hosts, via=via)
     return outcome
