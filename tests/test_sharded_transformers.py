@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ import torch
 pytest.importorskip("transformers")
 
 from helpers import flip_byte, object_path
+
+import stepvault
 
 SCRIPT = Path(__file__).parent / "scripts" / "transformers_sharded_train.py"
 
@@ -235,9 +238,21 @@ def test_fsdp2_sigkill_damaged_shard_fallback_and_from_pretrained_export(tmp_pat
     store = tmp_path / "store"
     _run_and_kill(*common, "--root", str(store), "--hold-after", "8")
     _damage_rank1(store, 8, "model.")  # a weight shard only rank 1 holds
-    out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"))
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    out = _run(*common, "--root", str(store), "--resume", "--final", str(tmp_path / "sv.pt"),
+               "--reads-dir", str(reads))  # fmt: skip
     assert "RESUMED 4 skipped=1" in out, out[-3000:]
     _same(tmp_path / "sv.pt", straight)
+    # The resume reads each object of the checkpoint it loads once on a rank: the load
+    # verifies as it reads (it was read once to choose, then again to load)
+    vault = stepvault.open(store)
+    only4 = set(vault.manifest("gpt", 4).objects) - set(vault.manifest("gpt", 8).objects)
+    for rank in (0, 1):
+        counts = Counter(Path(reads, f"rank{rank}.txt").read_text().split())
+        assert any(counts[d] for d in only4), rank  # the load read them
+        twice = sorted(d for d in only4 if counts[d] > 1)
+        assert not twice, (rank, len(twice), len(only4))
 
     # The sharded checkpoint as a model folder (one tensor at a time), loaded by
     # from_pretrained: the job's final weights

@@ -177,6 +177,23 @@ def _final(trainer: Trainer, shard: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _count_reads(folder: str, rank: int) -> None:
+    """Record every object this rank reads from the store (one ``<digest>`` line per read,
+    in ``folder/rank<r>.txt``): the test counts how often a resume reads each object.
+    Instrumentation only; the reads themselves are unchanged."""
+    from stepvault.store import Store
+
+    for name in ("read_object", "map_object"):
+        real = getattr(Store, name)
+
+        def counted(self, digest, *a, _real=real, **kw):
+            with open(os.path.join(folder, f"rank{rank}.txt"), "a") as f:
+                f.write(digest + "\n")
+            return _real(self, digest, *a, **kw)
+
+        setattr(Store, name, counted)
+
+
 def _fsdp1_refused(root: str) -> int:
     """One process, FSDP1: StepvaultTrainer refuses it when train() starts (a sharded job
     saves collectively, on 2 or more ranks); prints why."""
@@ -216,12 +233,15 @@ def main() -> int:
     p.add_argument("--fsdp1-refused", action="store_true", help="one process, FSDP1: refused")
     p.add_argument("--on-signal", action="store_true", help="the policy also saves on SIGTERM")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
+    p.add_argument("--reads-dir", default="", help="record each object read (per rank)")
     args = p.parse_args()
     if args.fsdp1_refused:
         return _fsdp1_refused(args.root)
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    if args.reads_dir:
+        _count_reads(args.reads_dir, rank)
     if args.pid_dir:  # torchrun starts its workers in sessions of their own
         with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
