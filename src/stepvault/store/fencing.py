@@ -13,7 +13,7 @@ of an older epoch that the next epoch's record does not list landed after that t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from .names import validate_run_name
@@ -63,23 +63,27 @@ def stamp_manifest(data: bytes, stamp: dict[str, Any]) -> bytes:
     return json.dumps(envelope, separators=(",", ":")).encode() + b"\n" + body
 
 
-@dataclass(frozen=True)
 class FenceRecords:
     """The fence records of one run (``refs/fences/<run>/``): which lease epochs began, and
     what was visible when each began. Decides whether a stamped manifest counts (the fence
     rule, FORMAT.md §8): one stamped with epoch ``e`` is a checkpoint unless a later epoch
     began and the first such epoch's record does not list its step — it landed after that
-    takeover (a stale writer's commit in flight through a partition, or a frozen process)."""
+    takeover (a stale writer's commit in flight through a partition, or a frozen process).
 
-    records: dict[int, dict[str, Any]]
+    ``epochs``: the epochs that have a record (from one listing); ``load(epoch)`` reads one
+    record, only when a decision needs it (a run restarted a thousand times has a thousand
+    records, and a listing needs one or two of them)."""
 
-    @property
-    def epochs(self) -> list[int]:
-        return sorted(self.records)
+    def __init__(self, epochs: list[int], load: Callable[[int], dict[str, Any]]) -> None:
+        self.epochs = sorted(epochs)
+        self._load = load
 
     @property
     def current(self) -> int:
-        return max(self.records, default=0)
+        return self.epochs[-1] if self.epochs else 0
+
+    def record(self, epoch: int) -> dict[str, Any]:
+        return self._load(epoch)
 
     def refusal(
         self, step: int, stamp: dict[str, Any] | None, *, memory: bool = False
@@ -92,15 +96,15 @@ class FenceRecords:
         if stamp is None:
             return None  # no lease, or written before stamps: valid as ever
         epoch = stamp["epoch"]
-        later = [e for e in self.records if e > epoch]
+        later = [e for e in self.epochs if e > epoch]
         if not later:
             return None
-        first = min(later)
-        record = self.records[first]
+        first = later[0]
+        record = self.record(first)
         if step in set(record.get("visible") or []):
             return None
         if memory and all(
-            (self.records[e].get("previous") or {}).get("ended") in ("released", "exited", None)
+            (self.record(e).get("previous") or {}).get("ended") in ("released", "exited", None)
             for e in later
         ):
             return None

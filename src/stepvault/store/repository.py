@@ -279,26 +279,22 @@ class Store:
                 )
             return memo[1]
         names = self.backend.list(f"refs/fences/{validate_run_name(run)}")
-        records: dict[int, dict[str, Any]] = {}
-        for name in names:
-            m = _STEP_FILE.match(name)
-            if not m:
-                continue
-            epoch = int(m.group(1))
-            record = self._fence_cache.get((run, epoch))
-            if record is None:
-                try:
-                    record = json.loads(self.backend.read_bytes(fence_key(run, epoch)))
-                except FileNotFoundError:
-                    continue
-                except ValueError:
-                    # A damaged record: treat it as listing nothing (stricter, never looser)
-                    record = {"epoch": epoch, "visible": [], "damaged": True}
-                if not isinstance(record, dict):
-                    record = {"epoch": epoch, "visible": [], "damaged": True}
-                self._fence_cache[(run, epoch)] = record
-            records[epoch] = record
-        return FenceRecords(records)
+        epochs = [int(m.group(1)) for n in names if (m := _STEP_FILE.match(n))]
+        return FenceRecords(epochs, lambda epoch: self._fence_record(run, epoch))
+
+    def _fence_record(self, run: str, epoch: int) -> dict[str, Any]:
+        """One fence record (read once: records are never rewritten)."""
+        record = self._fence_cache.get((run, epoch))
+        if record is None:
+            try:
+                record = json.loads(self.backend.read_bytes(fence_key(run, epoch)))
+            except (FileNotFoundError, ValueError):
+                record = None
+            if not isinstance(record, dict):
+                # Gone or damaged: it lists nothing (stricter, never looser)
+                record = {"epoch": epoch, "visible": [], "damaged": True}
+            self._fence_cache[(run, epoch)] = record
+        return record
 
     def stale_commits(self, run: str, steps: Sequence[int] | None = None) -> dict[int, str]:
         """``step -> reason`` for each manifest of ``run`` that the fence rule refuses: it
@@ -306,12 +302,12 @@ class Store:
         visible when that takeover happened (a late commit). Stores without fence records
         (no lease ever, older stores) have none: this costs one listing there."""
         fences = self.fence_records(run)
-        if len(fences.records) < 2:
+        if len(fences.epochs) < 2:
             # Every epoch writes its record before it commits: with one record (or none)
             # no manifest can carry an older epoch than it.
             return {}
         steps = self.listed_steps(run) if steps is None else list(steps)
-        covered = set(fences.records[fences.current].get("visible") or [])
+        covered = set(fences.record(fences.current).get("visible") or [])
         for step in steps:
             if (run, step) in self._stamps or step in covered:
                 continue
