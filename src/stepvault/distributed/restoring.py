@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .._rank import current_rank
-from ..errors import StepvaultError
+from ..errors import StateMismatchError, StepvaultError
 from ..format import Manifest
 from ..store import Store
 from .agreement import agree, agree_fits, group_store, handshake, share_offer, try_candidates
@@ -68,18 +68,20 @@ def _dcp_load(
     step: int,
     manifest: Manifest,
     workers: int | None,
+    local: bool = False,
 ) -> None:
     """One DCP load of ``run@step`` (its manifest parsed) into ``targets``: every rank
-    verifies what it needs and the ranks agree before any byte is placed."""
+    verifies what it needs and the ranks agree before any byte is placed. ``local``: this
+    process alone, even under a process group (no collective; damage raises here)."""
     reader = StepvaultReader(
         store,
         run,
         step,
         workers=workers,
         manifest=manifest,
-        verified=lambda damage: agree(store, damage, f"{run}@{step}"),
+        verified=None if local else lambda damage: agree(store, damage, f"{run}@{step}"),
     )
-    dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner())
+    dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=local)
 
 
 def restore_state(
@@ -119,9 +121,14 @@ def restore_checkpoint(
     *,
     workers: int | None = None,
     strict: bool = True,
+    local: bool = False,
 ) -> None:
     """Collective: restore ``run@step`` (``manifest`` already parsed) into the live
-    objects of ``state`` on every rank, resharding as needed.
+    objects of ``state`` on every rank, resharding as needed. ``local`` (a sharded
+    checkpoint only): in this process alone, under a process group or not, with no
+    collective (a DDP rank reading the full tensors: the core planner's
+    ``restore_rank_local``); this rank's own RNG entries are taken where the checkpoint
+    has them.
 
     Invariant 4 on every rank: the checkpoint is checked against the live state (a
     :class:`StateMismatchError` on every rank when it does not fit), every object this
@@ -132,7 +139,7 @@ def restore_checkpoint(
     fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
     try:
         if manifest.sharded:
-            _restore_sharded(store, state, run, step, manifest, workers, strict)
+            _restore_sharded(store, state, run, step, manifest, workers, strict, local)
         else:
             _restore_full(store, state, run, step, manifest, workers, strict)
     except BaseException:
@@ -149,12 +156,17 @@ def _restore_sharded(
     manifest: Manifest,
     workers: int | None,
     strict: bool,
+    local: bool = False,
 ) -> None:
     dcp_state, kinds = to_dcp(state)
     targets = _Targets(store, run, dcp_state, kinds, f"rank{current_rank()}")
     targets.prune_for(manifest)
-    agree_fits(_sharded_problems(manifest, targets), manifest)
-    _dcp_load(store, targets, run, step, manifest, workers)
+    problems = _sharded_problems(manifest, targets)
+    if not local:
+        agree_fits(problems, manifest)
+    elif problems:  # this process alone: nothing read yet, nothing changed
+        raise StateMismatchError([f"{manifest.run}@{manifest.step}: {p}" for p in problems])
+    _dcp_load(store, targets, run, step, manifest, workers, local)
     apply_dcp(state, targets, kinds)
 
 

@@ -46,19 +46,11 @@ class LocalScope:
             is_collective(state, False)  # refuses sharded DTensor state with a clear error
 
     def check_restore(self, run: str, step: int) -> None:
-        """A rank-local manager cannot read a checkpoint written by several ranks."""
-        if self.rank_local and distributed_active():
-            # Who meets this: a DDP trainer resuming a sharded (FSDP/DeepSpeed) job's
-            # checkpoint; the ways out must make sense to them, not only to loop writers.
-            raise StepvaultError(
-                f"{run}@{step} was saved by several ranks (a sharded job) and this manager is "
-                "rank-local (a DDP trainer's, or collective=False), which reads only "
-                "checkpoints one process wrote. Resume it with a collective manager on every "
-                "rank (collective=None; a sharding strategy, any number of ranks: the restore "
-                "reshards), or load its weights in one process (stepvault.restore(root, "
-                "{'model': model}, run=..., step=..., strict=False), or `stepvault export`) "
-                "and start the new job from them"
-            )
+        """A checkpoint several ranks wrote (``run@step``, a sharded job's) is restored
+        here too. Rank-local under a process group (a DDP trainer's manager), this process
+        reads it alone, as one process reshards: the full tensors, this rank's RNG where
+        the checkpoint has this rank (``core.planner.restore_rank_local``). Nothing is
+        refused here."""
 
     def barrier(self) -> None:
         pass
