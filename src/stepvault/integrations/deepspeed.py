@@ -76,7 +76,7 @@ from ..manager import CheckpointManager, SaveHandle
 from ..ops.migrate.deepspeed import (
     MODEL_STATES,
     OPTIM_STATES,
-    consolidate,
+    checkpoint_weights,
     pack_file,
     register_deepspeed_types,
     unpack_file,
@@ -450,17 +450,15 @@ def load_fp32_state_dict(
     root: str | os.PathLike[str] | Store, run: str, step: int | str = "latest"
 ) -> dict[str, torch.Tensor]:
     """The full fp32 weights of a DeepSpeed checkpoint written by any number of ranks, in
-    one process and without a process group (for evaluation and export): every object
-    verified, the ZeRO partitions joined (:func:`stepvault.ops.migrate.deepspeed.consolidate`).
-    It holds the whole model (and reads the optimizer files whole); ``stepvault export``
-    writes the same weights one tensor at a time (:mod:`stepvault.ops.export_zero3`)."""
+    one process and without a process group (for evaluation and export), equal to
+    DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``: the ZeRO partitions joined
+    (:func:`stepvault.ops.migrate.deepspeed.consolidate`), frozen and tied weights included.
+    Only the weights' bytes are read, each verified, never the optimizer moments
+    (:func:`stepvault.ops.migrate.deepspeed.checkpoint_weights`). It holds the whole model;
+    ``stepvault export`` writes the same weights one tensor at a time
+    (:mod:`stepvault.ops.export_zero3`)."""
     import stepvault
 
-    register_deepspeed_types()
     vault = stepvault.open(root)
     ref = run if step == "latest" else f"{run}@{int(step)}"
-    tree = vault.checkpoint(ref).load()
-    packed = tree.get("deepspeed")
-    if not isinstance(packed, Mapping):
-        raise StepvaultError(f"{ref}: not a DeepSpeed checkpoint (no 'deepspeed' entry)")
-    return consolidate({n: unpack_file(p) for n, p in packed.items()})
+    return checkpoint_weights(vault.checkpoint(ref))
