@@ -90,10 +90,17 @@ def test_consolidation_equals_deepspeeds_own_merge(stage):
     assert not model.load_state_dict(got).missing_keys
 
 
-def test_consolidation_refuses_a_folder_missing_a_rank(tmp_path):
+def test_consolidation_refuses_a_missing_rank_and_model_parallel_files():
     files = read_tag(str(DATA / "zero2" / TAG), trust=True)
     del files["zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     with pytest.raises(StepvaultError, match="2 ranks but 1"):
+        consolidate(files)
+    # a tensor-parallel checkpoint's second model-parallel rank: refused, not mis-joined
+    files = read_tag(str(DATA / "zero2" / TAG), trust=True)
+    files["zero_pp_rank_0_mp_rank_01_optim_states.pt"] = files[
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    ]
+    with pytest.raises(StepvaultError, match="ds_to_universal"):
         consolidate(files)
 
 

@@ -150,6 +150,12 @@ def _rank_of(name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+#: the files of a data-parallel ZeRO checkpoint (one model-parallel rank, no experts)
+_ZERO_FILE = re.compile(
+    r"^(mp_rank_00_model_states|(bf16_)?zero_pp_rank_\d+_mp_rank_00_(model|optim)_states)\.pt$"
+)
+
+
 def _numel(shape: Any) -> int:
     return math.prod(int(d) for d in shape)
 
@@ -174,6 +180,15 @@ def consolidate(files: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
     model = sorted((n for n in files if n.endswith(MODEL_STATES)), key=_rank_of)
     optim = sorted((n for n in files if n.endswith(OPTIM_STATES)), key=_rank_of)
+    others = [n for n in (*model, *optim) if not _ZERO_FILE.match(n)]
+    if others:
+        # tensor/pipeline-parallel ranks (mp_rank_01...) and MoE expert files hold other
+        # parts of the model: joining the data-parallel partitions alone would be wrong
+        raise StepvaultError(
+            f"{others[:3]}: only data-parallel ZeRO checkpoints (mp_rank_00, no expert "
+            "files) are consolidated; convert a model-parallel or MoE checkpoint with "
+            "DeepSpeed's ds_to_universal.py first"
+        )
     if not model or not optim:
         raise StepvaultError(
             "a DeepSpeed checkpoint needs its *_model_states.pt and *_optim_states.pt files; "
