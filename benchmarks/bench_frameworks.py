@@ -1,19 +1,25 @@
 #!/usr/bin/env python
-"""Sharded jobs through the frameworks (issue 30): a 2-rank Lightning
-``ModelParallelStrategy`` job (FSDP2, gloo on CPU) saving through ``StepvaultCheckpoint``
-against the same job saving with Lightning's own sharded checkpointing
-(``ModelCheckpoint``: a DCP folder per save). Measured in one run: the stall of a save
-step (its step time minus the median step time of steps that save nothing, on rank 0),
-the wall time of the job, and the bytes stored after every save of a fine-tune whose
-first half of the layers is frozen (stepvault stores an unchanged chunk once).
+"""Sharded jobs through the frameworks (issue 30): a 2-rank Lightning job (gloo on CPU)
+with ``ModelParallelStrategy`` (FSDP2), ``FSDPStrategy`` (FSDP1, sharded state dicts over a
+device mesh) or ``DeepSpeedStrategy`` (ZeRO-2) saving through ``StepvaultCheckpoint``
+against the same job saving with Lightning's own checkpointing (``ModelCheckpoint``: a DCP
+folder per save, or DeepSpeed's ``save_checkpoint`` folder). Measured in one run: the
+stall of a save (the time rank 0's training thread spends in ``trainer.save_checkpoint``),
+the save time (stepvault: until the background write is committed, from the manifests;
+Lightning: the synchronous save, i.e. the stall), the wall time of the job, and the bytes
+stored after every save of a fine-tune whose first half of the layers is frozen
+(stepvault stores an unchanged chunk once).
 
 Rewrites the section between ``<!-- frameworks:begin -->`` and ``<!-- frameworks:end -->``
 of BENCHMARKS.md::
 
     python benchmarks/bench_frameworks.py [--width 1024] [--layers 6] [--saves 10]
+        [--strategies model_parallel,fsdp,deepspeed]
 
 The job is this script run with ``--worker`` (Lightning's launcher starts rank 1 by
-running the same command line again).
+running the same command line again). FSDP1 and DeepSpeed run on CPU through the CPU
+subclasses of Lightning's strategies that the tests use (tests/scripts/: Lightning accepts
+them only with CUDA); nothing of them is in the package.
 """
 
 from __future__ import annotations
@@ -33,15 +39,60 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SECTION = "frameworks"
+SCRIPTS = Path(__file__).resolve().parent.parent / "tests" / "scripts"
+STRATEGIES = {
+    "model_parallel": "ModelParallelStrategy (FSDP2)",
+    "fsdp": "FSDPStrategy (FSDP1, sharded)",
+    "deepspeed": "DeepSpeedStrategy (ZeRO-2)",
+}
+OWN = {
+    "model_parallel": "Lightning sharded (DCP folders)",
+    "fsdp": "Lightning sharded (DCP folders)",
+    "deepspeed": "Lightning's DeepSpeed save_checkpoint",
+}
+
+
+def strategy_for(name: str) -> Any:
+    """The Lightning strategy of a job; FSDP1 and DeepSpeed through the tests' CPU
+    subclasses (BENCHMARK-ONLY: Lightning accepts them only with CUDA)."""
+    from datetime import timedelta
+
+    if name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=300)
+        )
+    sys.path.insert(0, str(SCRIPTS))
+    if name == "fsdp":
+        import torch
+        from lightning_sharded_train import CPUFSDPStrategy
+
+        return CPUFSDPStrategy(
+            state_dict_type="sharded",
+            auto_wrap_policy={torch.nn.Linear},
+            device_mesh=(2,),  # DTensor state dicts (StepvaultCheckpoint needs them)
+            timeout=timedelta(seconds=300),
+        )
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from lightning_deepspeed_train import CPUDeepSpeedStrategy
+
+    return CPUDeepSpeedStrategy(
+        stage=2,
+        config={
+            "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True,
+            "train_micro_batch_size_per_gpu": 16,
+            "steps_per_print": 10**9,
+        },
+        timeout=timedelta(seconds=300),
+    )
 
 
 def worker(args: argparse.Namespace) -> None:
     """One 2-rank Lightning job (both ranks run this); rank 0 writes its timings."""
-    from datetime import timedelta
-
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     from stepvault import Every, KeepLast
@@ -59,6 +110,8 @@ def worker(args: argparse.Namespace) -> None:
                     layer.requires_grad_(False)
 
         def configure_model(self) -> None:
+            if args.strategy != "model_parallel":
+                return  # FSDPStrategy and DeepSpeedStrategy wrap the module themselves
             from torch.distributed.fsdp import fully_shard
 
             dp = self.device_mesh["data_parallel"]
@@ -100,9 +153,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ModelParallelStrategy(
-            data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=300)
-        ),
+        strategy=strategy_for(args.strategy),
         max_steps=steps,
         callbacks=callbacks,
         logger=False,
@@ -139,25 +190,43 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def run_job(mode: str, root: Path, args: argparse.Namespace, frozen: bool) -> dict[str, Any]:
+def save_seconds(root: Path, run: str = "bench") -> list[float]:
+    """Each committed checkpoint's save time (its writer's start to its commit: the
+    background write of an asynchronous save), from the manifests' stats."""
+    import stepvault
+
+    vault = stepvault.open(root)
+    return [float(vault.manifest(run, s).stats["seconds"]) for s in vault.steps(run)]
+
+
+def run_job(
+    strategy: str, mode: str, root: Path, args: argparse.Namespace, frozen: bool
+) -> dict[str, Any]:
     result = root.parent / f"{root.name}.json"
     cmd = [
-        sys.executable, __file__, "--worker", "--mode", mode, "--root", str(root),
-        "--result", str(result), "--width", str(args.width), "--layers", str(args.layers),
-        "--saves", str(args.saves), "--every", str(args.every),
+        sys.executable, __file__, "--worker", "--strategy", strategy, "--mode", mode,
+        "--root", str(root), "--result", str(result), "--width", str(args.width),
+        "--layers", str(args.layers), "--saves", str(args.saves), "--every", str(args.every),
     ]  # fmt: skip
     if frozen:
         cmd.append("--frozen")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=900)
+    env["DS_ACCELERATOR"] = "cpu"
+    subprocess.run(
+        cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        timeout=900,
+    )  # fmt: skip
     out = json.loads(result.read_text())
     out["bytes"] = du(root)
+    # Lightning's own saves are synchronous: the save is the stall.
+    out["save"] = save_seconds(root) if mode == "stepvault" else out["stalls"]
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--strategy", choices=list(STRATEGIES), default="model_parallel")
     ap.add_argument("--mode", choices=["stepvault", "lightning"], default="stepvault")
     ap.add_argument("--root", default="")
     ap.add_argument("--result", default="")
@@ -166,6 +235,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--every", type=int, default=3)
+    ap.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma-separated, of " + ", ".join(STRATEGIES),
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
@@ -175,40 +249,64 @@ def main() -> None:
     import _common
     from _common import REPO, machine_facts, table
 
+    strategies = [x for x in args.strategies.split(",") if x]
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        ap.error(f"unknown strategies {unknown}: choose among {', '.join(STRATEGIES)}")
     out_md = args.out or REPO / "BENCHMARKS.md"
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-frameworks-", dir=args.workdir))
-    results: dict[tuple[str, bool], dict[str, Any]] = {}
+    results: dict[tuple[str, str, bool], dict[str, Any]] = {}
     try:
         # The two modes alternate, so that both see the same drift of a shared machine.
         for frozen in (False, True):
-            for mode in ("lightning", "stepvault"):
-                root = work / f"{mode}-{'frozen' if frozen else 'full'}"
-                results[mode, frozen] = run_job(mode, root, args, frozen)
-                print(mode, frozen, results[mode, frozen], flush=True)
+            for strategy in strategies:
+                for mode in ("lightning", "stepvault"):
+                    root = work / f"{strategy}-{mode}-{'frozen' if frozen else 'full'}"
+                    r = results[strategy, mode, frozen] = run_job(
+                        strategy, mode, root, args, frozen
+                    )
+                    print(strategy, mode, frozen, {k: r[k] for k in ("wall", "bytes")}, flush=True)
         facts = machine_facts(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     params = args.layers * (args.width * args.width + args.width)
     state_mb = params * 4 * 3 / 1e6  # weights + AdamW's two moments, float32
+    med = statistics.median
+    # The dedup floor: frozen weights stored once, the rest (weights + 2 moments) each save.
+    frozen_units, trained_units = args.layers // 2, 3 * (args.layers - args.layers // 2)
+    frozen_share = frozen_units / (frozen_units + trained_units)
+    floor = (frozen_units + trained_units * args.saves) / (
+        (frozen_units + trained_units) * args.saves
+    )
 
-    def stall(r: dict[str, Any]) -> float:
-        return statistics.median(r["stalls"])
-
-    rows = []
+    rows, ratios, dedup = [], [], []
     for frozen in (False, True):
-        for mode in ("lightning", "stepvault"):
-            r = results[mode, frozen]
-            rows.append([
-                "fine-tune, half frozen" if frozen else "all layers train",
-                "Lightning sharded (DCP folders)" if mode == "lightning" else "stepvault (async)",
-                f"{stall(r) * 1000:.0f} ms",
-                f"{max(r['stalls']) * 1000:.0f} ms",
-                f"{statistics.median(r['plain']) * 1000:.0f} ms",
-                f"{r['wall']:.1f} s",
-                f"{r['bytes'] / 1e6:.1f} MB",
-            ])  # fmt: skip
-    lf, sf = results["lightning", True], results["stepvault", True]
+        for strategy in strategies:
+            for mode in ("lightning", "stepvault"):
+                r = results[strategy, mode, frozen]
+                rows.append([
+                    STRATEGIES[strategy],
+                    "fine-tune, half frozen" if frozen else "all layers train",
+                    OWN[strategy] if mode == "lightning" else "stepvault (async)",
+                    f"{med(r['stalls']) * 1000:.0f} ms",
+                    f"{max(r['stalls']) * 1000:.0f} ms",
+                    f"{med(r['save']) * 1000:.0f} ms",
+                    f"{med(r['plain']) * 1000:.0f} ms",
+                    f"{r['wall']:.1f} s",
+                    f"{r['bytes'] / 1e6:.1f} MB",
+                ])  # fmt: skip
+            n, sv = results[strategy, "lightning", frozen], results[strategy, "stepvault", frozen]
+            if frozen:
+                dedup.append(
+                    f"{STRATEGIES[strategy]} {sv['bytes'] / 1e6:.1f} vs {n['bytes'] / 1e6:.1f} MB "
+                    f"({sv['bytes'] / max(n['bytes'], 1):.2f}x)"
+                )
+            else:
+                ratios.append(
+                    f"{STRATEGIES[strategy]} stall {med(sv['stalls']) / med(n['stalls']):.2f}x, "
+                    f"save {med(sv['save']) / med(n['save']):.2f}x"
+                )
     lines = _common.section_head(
         "Sharded jobs through the frameworks (issue 30)",
         "python benchmarks/bench_frameworks.py",
@@ -218,17 +316,19 @@ def main() -> None:
     lines += [
         "### Results",
         "",
-        f"A 2-rank Lightning `ModelParallelStrategy` job (FSDP2 over gloo, CPU): {args.layers} "
-        f"linear layers of {args.width}x{args.width} ({params / 1e6:.1f} M parameters, "
-        f"{state_mb:.0f} MB with AdamW's moments when every layer trains), "
-        f"{args.saves} saves, one every {args.every} steps.",
+        f"A 2-rank Lightning job (gloo, CPU) per strategy: {args.layers} linear layers of "
+        f"{args.width}x{args.width} ({params / 1e6:.1f} M parameters, {state_mb:.0f} MB with "
+        f"AdamW's moments when every layer trains), {args.saves} saves, one every "
+        f"{args.every} steps, every one kept.",
         "",
         table(
             [
+                "strategy",
                 "job",
                 "checkpointing",
                 "stall per save (median, rank 0)",
                 "stall (max)",
+                "save (median)",
                 "median step without a save",
                 "job wall time",
                 f"bytes stored after {args.saves} saves",
@@ -236,9 +336,12 @@ def main() -> None:
             rows,
         ),
         "",
-        f"Bytes for {args.saves} saves of the half-frozen fine-tune: stepvault "
-        f"{sf['bytes'] / 1e6:.1f} MB, Lightning {lf['bytes'] / 1e6:.1f} MB "
-        f"({lf['bytes'] / max(sf['bytes'], 1):.1f}x).",
+        "stepvault / Lightning's own, all layers training: " + "; ".join(ratios) + ".",
+        "",
+        f"Bytes for {args.saves} saves of the half-frozen fine-tune, stepvault vs Lightning's "
+        "own: " + "; ".join(dedup) + f". The frozen layers hold {frozen_share:.0%} of "
+        "the fine-tune's state (weights only, no moments), so storing each unchanged byte "
+        f"once can reach {floor:.2f}x here.",
         "",
         "### Method",
         "",
@@ -247,10 +350,14 @@ def main() -> None:
         "callbacks save through it): for stepvault Lightning's `dump_checkpoint` and the "
         "copy of each rank's shards into reused host buffers, the write and the commit "
         "running in the background; for Lightning's `ModelCheckpoint` the whole synchronous "
-        "DCP write of a folder per save (`save_top_k=-1`, nothing deleted). The background "
-        "write shares the two cores with training, so the steps without a save are slower "
-        "with stepvault on this machine (the median step column; the job wall time is the "
-        "sum). Bytes are the files under each store/folder after the job.",
+        "write of a folder per save (`save_top_k=-1`, nothing deleted). The save column is, "
+        "for stepvault, each checkpoint's write until its commit (the manifest's "
+        "`stats.seconds`), and for Lightning its synchronous save (the stall). The background "
+        "write shares the two cores with training, so the steps without a save can be "
+        "slower with stepvault on this machine (the median step column; the job wall time is "
+        "the sum). Bytes are the files under each store/folder after the job. FSDP1 and "
+        "DeepSpeed run through the tests' CPU subclasses of Lightning's strategies "
+        "(tests/scripts/).",
     ]
     _common.write_section(out_md, SECTION, "\n".join(lines))
     print("\n".join(lines))

@@ -1,16 +1,22 @@
 #!/usr/bin/env python
-"""The HF Trainer with a sharded model through stepvault (issue 30): a 2-rank ``Trainer``
-job (torchrun, gloo on CPU) training a GPT-2 built here, with DeepSpeed ZeRO-2 or FSDP2,
-checkpointing through ``StepvaultTrainer`` (every rank its shards, async) against the
-same job with the Trainer's own checkpoints (``save_steps``: DeepSpeed's
-``save_checkpoint`` folder, or FSDP's ``SHARDED_STATE_DICT`` folders) in one run. Measured:
-the stall of a save (the time ``Trainer._save_checkpoint`` holds the training loop, rank
-0), the job's wall time and the bytes stored after every save.
+"""The HF Trainer and Accelerate with a sharded model through stepvault (issue 30): a
+2-rank job (torchrun, gloo on CPU) training a GPT-2 built here, with DeepSpeed ZeRO-2 or
+FSDP2, through the ``Trainer`` (``StepvaultTrainer``) or a plain Accelerate loop
+(``AcceleratorCheckpointer``), every rank its shards, async, against the same job with the
+framework's own checkpoints (the Trainer's ``save_steps`` or ``accelerator.save_state``:
+DeepSpeed's ``save_checkpoint`` folder, or FSDP's ``SHARDED_STATE_DICT`` folders) in one
+run. Measured: the stall of a save (the time the save call holds the training loop, rank
+0), the save time (stepvault: until the background write is committed, from the
+manifests; the framework's own: the synchronous save), the job's wall time and the bytes
+stored after every save, for all parameters training and for a half-frozen fine-tune.
+The Trainer's FSDP2 jobs also run with the collective writer's earlier layout (every
+shard under 1 MiB bundled: ``--layout bundled``) for the before/after of issue 30's fix.
 
 Rewrites the section between ``<!-- trainer_sharded:begin -->`` and
 ``<!-- trainer_sharded:end -->`` of BENCHMARKS.md::
 
     python benchmarks/bench_trainer_sharded.py [--embd 256] [--layers 4] [--saves 10]
+        [--frameworks trainer,accelerate]
 
 The job is this script run with ``--worker`` under torchrun.
 """
@@ -54,12 +60,109 @@ def _cpu_fsdp2() -> None:
     AcceleratorState.__init__ = init  # type: ignore[method-assign]
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One 2-rank Trainer job (both ranks run this); rank 0 writes its timings."""
+def _gpt2(args: argparse.Namespace) -> Any:
+    """The model of every job (seeded), half of it frozen for a fine-tune."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=1024, n_positions=64, n_embd=args.embd, n_layer=args.layers,
+                        n_head=4)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    if args.frozen:  # a fine-tune: the first half of the blocks and the embeddings frozen
+        model.transformer.wte.requires_grad_(False)
+        model.transformer.wpe.requires_grad_(False)
+        for block in model.transformer.h[: args.layers // 2]:
+            block.requires_grad_(False)
+    return model
+
+
+def accelerate_worker(args: argparse.Namespace) -> None:
+    """One 2-rank plain Accelerate loop (both ranks run this); rank 0 writes its timings."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     import torch.distributed as dist
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import (
+        DeepSpeedPlugin,
+        DistributedType,
+        FullyShardedDataParallelPlugin,
+        InitProcessGroupKwargs,
+    )
+
+    torch.set_num_threads(1)
+    # Accelerate picks no process-group backend on CPU: gloo, as CPU users do.
+    gloo = [InitProcessGroupKwargs(backend="gloo")]
+    if args.shard == "zero2":
+        plugin = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        })  # fmt: skip
+        acc = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=gloo)
+    else:
+        fsdp = FullyShardedDataParallelPlugin(
+            fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True
+        )
+        acc = Accelerator(cpu=True, fsdp_plugin=fsdp, kwargs_handlers=gloo)
+        # BENCHMARK-ONLY (as tests/scripts/accelerate_fsdp2_state.py): Accelerate honours an
+        # FSDP plugin only for GPU-like distributed types; this makes prepare() shard on CPU.
+        PartialState().distributed_type = DistributedType.FSDP
+        acc.state.distributed_type = DistributedType.FSDP
+        acc.state.fsdp_plugin = fsdp
+    model = _gpt2(args)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    ckpt = None
+    if args.mode == "stepvault":
+        from stepvault import Every, KeepLast
+        from stepvault.integrations.accelerate import AcceleratorCheckpointer
+
+        ckpt = AcceleratorCheckpointer(
+            acc, args.root, run="bench", save=Every(steps=args.every), keep=KeepLast(1000)
+        )
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    stalls: list[float] = []
+    t_job = time.perf_counter()
+    for step in range(1, args.saves * args.every + 1):
+        ids = torch.randint(0, 1024, (4, 64), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if step % args.every:
+            continue
+        t0 = time.perf_counter()
+        if ckpt is not None:
+            ckpt.save(step)
+        else:
+            acc.save_state(os.path.join(args.root, f"checkpoint_{step}"))
+        stalls.append(time.perf_counter() - t0)
+    if ckpt is not None:
+        ckpt.close()  # the last save committed
+    wall = time.perf_counter() - t_job
+    params = sum(p.numel() for p in _gpt2(args).parameters())
+    if rank == 0:
+        Path(args.result).write_text(json.dumps({"stall": stalls, "wall": wall, "params": params}))
+    dist.barrier()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One 2-rank Trainer job (both ranks run this); rank 0 writes its timings."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.layout == "bundled":
+        # The collective writer before issue 30's fix: every shard under the store's
+        # small_tensor (1 MiB) bundled, for the before/after rows.
+        from stepvault.distributed.storage import StepvaultWriter
+
+        StepvaultWriter.bundle_below = 1 << 20
+    if args.framework == "accelerate":
+        accelerate_worker(args)
+        return
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments
 
     torch.set_num_threads(1)
     steps = args.saves * args.every
@@ -99,15 +202,7 @@ def worker(args: argparse.Namespace) -> None:
         _cpu_fsdp2()
         options["fsdp"] = True
         options["fsdp_config"] = {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=1024, n_positions=64, n_embd=args.embd, n_layer=args.layers,
-                        n_head=4)  # fmt: skip
-    model = GPT2LMHeadModel(config)
-    if args.frozen:  # a fine-tune: the first half of the blocks and the embeddings frozen
-        model.transformer.wte.requires_grad_(False)
-        model.transformer.wpe.requires_grad_(False)
-        for block in model.transformer.h[: args.layers // 2]:
-            block.requires_grad_(False)
+    model = _gpt2(args)
     callbacks: list[Any] = []
     if args.mode == "stepvault":
         from stepvault import Every
@@ -139,13 +234,28 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def run_job(
-    shard: str, mode: str, root: Path, args: argparse.Namespace, frozen: bool
-) -> dict[str, Any]:
+def save_seconds(root: Path, run: str = "bench") -> list[float]:
+    """Each committed checkpoint's save time (its writer's start to its commit: the
+    background write of an asynchronous save), from the manifests' stats."""
+    import stepvault
+
+    vault = stepvault.open(root)
+    return [float(vault.manifest(run, s).stats["seconds"]) for s in vault.steps(run)]
+
+
+#: a job: (framework, sharding, mode, half frozen); mode "bundled" is stepvault with the
+#: collective writer's layout before issue 30's fix
+Job = tuple[str, str, str, bool]
+
+
+def run_job(job: Job, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    framework, shard, mode, frozen = job
     result = root.parent / f"{root.name}.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        __file__, "--worker", "--shard", shard, "--mode", mode, "--root", str(root),
+        __file__, "--worker", "--framework", framework, "--shard", shard,
+        "--mode", "native" if mode == "native" else "stepvault",
+        "--layout", "bundled" if mode == "bundled" else "per-tensor", "--root", str(root),
         "--result", str(result), "--embd", str(args.embd), "--layers", str(args.layers),
         "--saves", str(args.saves), "--every", str(args.every),
     ]  # fmt: skip
@@ -158,15 +268,31 @@ def run_job(
         timeout=1200,
     )  # fmt: skip
     out = json.loads(result.read_text())
-    out["bytes"] = du(root / "objects") if mode == "stepvault" else du(root)
+    out["bytes"] = du(root) if mode == "native" else du(root / "objects")
+    # The framework's own saves are synchronous: the save is the stall.
+    out["save"] = out["stall"] if mode == "native" else save_seconds(root)
     return out
+
+
+FRAMEWORKS = ("trainer", "accelerate")
+SHARDS = {"zero2": "DeepSpeed ZeRO-2", "fsdp2": "FSDP2"}
+OWN = {
+    ("trainer", "zero2"): "Trainer's own (DeepSpeed save_checkpoint)",
+    ("trainer", "fsdp2"): "Trainer's own (FSDP SHARDED_STATE_DICT)",
+    ("accelerate", "zero2"): "save_state (DeepSpeed save_checkpoint)",
+    ("accelerate", "fsdp2"): "save_state (FSDP SHARDED_STATE_DICT)",
+}
+OURS = {"trainer": "StepvaultTrainer (async)", "accelerate": "AcceleratorCheckpointer (async)"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--shard", choices=["zero2", "fsdp2"], default="zero2")
+    ap.add_argument("--framework", choices=FRAMEWORKS, default="trainer")
+    ap.add_argument("--shard", choices=list(SHARDS), default="zero2")
     ap.add_argument("--mode", choices=["stepvault", "native"], default="stepvault")
+    ap.add_argument("--layout", choices=["per-tensor", "bundled"], default="per-tensor",
+                    help=argparse.SUPPRESS)  # fmt: skip
     ap.add_argument("--root", default="")
     ap.add_argument("--result", default="")
     ap.add_argument("--embd", type=int, default=256)
@@ -177,6 +303,11 @@ def main() -> None:
     ap.add_argument(
         "--no-fine-tune", action="store_true", help="skip the half-frozen fine-tune rows"
     )
+    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS),
+                    help="comma-separated, of trainer, accelerate")  # fmt: skip
+    ap.add_argument(
+        "--no-before", action="store_true", help="skip the Trainer FSDP2 jobs of the old layout"
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
@@ -186,50 +317,83 @@ def main() -> None:
     import _common
     from _common import REPO, machine_facts, table
 
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    if set(frameworks) - set(FRAMEWORKS):
+        ap.error(f"--frameworks: choose among {', '.join(FRAMEWORKS)}")
     out_md = args.out or REPO / "BENCHMARKS.md"
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-trainer-", dir=args.workdir))
-    results: dict[tuple[str, str, bool], dict[str, Any]] = {}
+    results: dict[Job, dict[str, Any]] = {}
     jobs = (False,) if args.no_fine_tune else (False, True)
+    order: list[Job] = []
+    for frozen in jobs:
+        for framework in frameworks:
+            for shard in SHARDS:
+                order += [
+                    (framework, shard, "native", frozen),
+                    (framework, shard, "stepvault", frozen),
+                ]
+                if framework == "trainer" and shard == "fsdp2" and not args.no_before:
+                    order.append((framework, shard, "bundled", frozen))
     try:
-        # The two modes alternate, so that both see the same drift of a shared machine.
-        for frozen in jobs:
-            for shard in ("zero2", "fsdp2"):
-                for mode in ("native", "stepvault"):
-                    root = work / f"{shard}-{mode}-{int(frozen)}"
-                    results[shard, mode, frozen] = run_job(shard, mode, root, args, frozen)
-                    r = results[shard, mode, frozen]
-                    print(shard, mode, frozen, {k: r[k] for k in ("wall", "bytes")}, flush=True)
+        # The modes alternate, so that all see the same drift of a shared machine.
+        for job in order:
+            root = work / "-".join(str(x) for x in job)
+            r = results[job] = run_job(job, root, args)
+            print(*job, {k: r[k] for k in ("wall", "bytes")}, flush=True)
         facts = machine_facts(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    own = {"zero2": "Trainer's own (DeepSpeed save_checkpoint)",
-           "fsdp2": "Trainer's own (FSDP SHARDED_STATE_DICT)"}  # fmt: skip
+    med = statistics.median
     rows, ratios, dedup = [], [], []
-    for frozen, shard in [(f, s) for f in jobs for s in ("zero2", "fsdp2")]:
-        for mode in ("native", "stepvault"):
-            r = results[shard, mode, frozen]
-            rows.append([
-                {"zero2": "DeepSpeed ZeRO-2", "fsdp2": "FSDP2"}[shard]
-                + (", half frozen" if frozen else ""),
-                own[shard] if mode == "native" else "StepvaultTrainer (async)",
-                f"{statistics.median(r['stall']) * 1000:.0f} ms",
-                f"{max(r['stall']) * 1000:.0f} ms",
-                f"{r['wall']:.1f} s",
-                f"{r['bytes'] / 1e6:.1f} MB",
-            ])  # fmt: skip
-        n, s = results[shard, "native", frozen], results[shard, "stepvault", frozen]
-        if frozen:
-            dedup.append(f"{shard}: {s['bytes'] / 1e6:.1f} vs {n['bytes'] / 1e6:.1f} MB "
-                         f"({s['bytes'] / n['bytes']:.2f}x)")  # fmt: skip
+    for frozen in jobs:
+        for framework in frameworks:
+            for shard in SHARDS:
+                for mode in ("native", "stepvault", "bundled"):
+                    r = results.get((framework, shard, mode, frozen))
+                    if r is None:
+                        continue
+                    who = {
+                        "native": OWN[framework, shard],
+                        "stepvault": OURS[framework],
+                        "bundled": OURS[framework] + ", writer before the fix",
+                    }[mode]
+                    rows.append([
+                        framework.capitalize(),
+                        SHARDS[shard] + (", half frozen" if frozen else ""),
+                        who,
+                        f"{med(r['stall']) * 1000:.0f} ms",
+                        f"{max(r['stall']) * 1000:.0f} ms",
+                        f"{med(r['save']) * 1000:.0f} ms",
+                        f"{r['wall']:.1f} s",
+                        f"{r['bytes'] / 1e6:.1f} MB",
+                    ])  # fmt: skip
+                n = results[framework, shard, "native", frozen]
+                sv = results[framework, shard, "stepvault", frozen]
+                name = f"{framework.capitalize()} {SHARDS[shard]}"
+                if frozen:
+                    dedup.append(f"{name}: {sv['bytes'] / 1e6:.1f} vs {n['bytes'] / 1e6:.1f} MB "
+                                 f"({sv['bytes'] / n['bytes']:.2f}x)")  # fmt: skip
+                else:
+                    ratios.append(
+                        f"{name}: stall {med(sv['stall']) / med(n['stall']):.2f}x, "
+                        f"job {sv['wall'] / n['wall']:.2f}x"
+                    )
+    before = []
+    for frozen in jobs:
+        b = results.get(("trainer", "fsdp2", "bundled", frozen))
+        if b is None:
             continue
-        ratios.append(
-            f"{shard}: stall {statistics.median(s['stall']) / statistics.median(n['stall']):.2f}x, "
-            f"job {s['wall'] / n['wall']:.2f}x"
+        a = results["trainer", "fsdp2", "stepvault", frozen]
+        before.append(
+            ("half frozen" if frozen else "all training")
+            + f": save {med(a['save']) * 1000:.0f} vs {med(b['save']) * 1000:.0f} ms "
+            f"({med(a['save']) / med(b['save']):.2f}x), bytes {a['bytes'] / 1e6:.1f} vs "
+            f"{b['bytes'] / 1e6:.1f} MB ({a['bytes'] / b['bytes']:.2f}x)"
         )
-    params = results["zero2", "native", False]["params"]
+    params = next(iter(results.values()))["params"]
     lines = _common.section_head(
-        "The HF Trainer with DeepSpeed ZeRO-2 / FSDP2 through stepvault (issue 30)",
+        "The HF Trainer and Accelerate with DeepSpeed ZeRO-2 / FSDP2 through stepvault (issue 30)",
         "python benchmarks/bench_trainer_sharded.py",
         time.perf_counter() - t_all,
         facts,
@@ -237,40 +401,49 @@ def main() -> None:
     lines += [
         "### Results",
         "",
-        f"A 2-rank `Trainer` job (torchrun, gloo, CPU): a GPT-2 of {args.layers} layers, "
-        f"n_embd {args.embd} ({params / 1e6:.1f} M parameters, AdamW), {args.saves} saves, "
-        f"one every {args.every} steps, every one kept. Stall: the time "
-        "`Trainer._save_checkpoint` holds the loop on rank 0 (median and max over the "
-        "saves); job: `train()` until it returns (stepvault's last save committed).",
+        f"A 2-rank job (torchrun, gloo, CPU): a GPT-2 of {args.layers} layers, n_embd "
+        f"{args.embd} ({params / 1e6:.1f} M parameters, AdamW), {args.saves} saves, one every "
+        f"{args.every} steps, every one kept; through the `Trainer` or a plain Accelerate "
+        "loop. Stall: the time the save call holds the loop on rank 0 "
+        "(`Trainer._save_checkpoint`, `AcceleratorCheckpointer.save` or "
+        "`accelerator.save_state`; median and max over the saves); save: stepvault's "
+        "background write until its commit (the manifests' `stats.seconds`), the "
+        "framework's own synchronous save (= the stall); job: until training returns "
+        "(stepvault's last save committed).",
         "",
         table(
             [
+                "framework",
                 "sharding",
                 "checkpointing",
                 "stall (median)",
                 "stall (max)",
+                "save (median)",
                 "job",
                 f"bytes after {args.saves} saves",
             ],
             rows,
         ),
         "",
-        "stepvault / the Trainer's own: " + "; ".join(ratios) + ". Bytes: when every "
+        "stepvault / the framework's own: " + "; ".join(ratios) + ". Bytes: when every "
         "parameter trains consecutive saves share little; the Trainer's own ZeRO-2 save also "
         "writes the whole model as model.safetensors beside DeepSpeed's files each time. A "
         "stall is what the loop waits for; stepvault writes in the background (the job "
         "time includes its last commit)."
         + (
             " Half-frozen fine-tune (embeddings and the first half of the blocks frozen), "
-            f"bytes after {args.saves} saves, stepvault vs the Trainer's own: "
+            f"bytes after {args.saves} saves, stepvault vs the framework's own: "
             + "; ".join(dedup)
-            + ". Dedup works per stored chunk: ZeRO-2's frozen module weights are whole "
-            "tensors in DeepSpeed's model-states file and are stored once; under FSDP2 "
-            "the collective writer lays each rank's shards out as one stream cut in 1 MiB "
-            "chunks, so the small frozen tensors of a model this size share chunks with "
-            "trained ones and little is saved (in a 0.2 M-parameter run every tensor of "
-            "a rank lay in the same two objects)."
+            + ". Dedup works per stored chunk, and each tensor shard a rank writes starts "
+            "a chunk of its own, so a frozen tensor is stored once."
             if dedup
+            else ""
+        )
+        + (
+            " The collective writer per tensor vs its earlier layout (each rank's shards "
+            "under 1 MiB bundled, so that frozen and trained tensors shared objects), Trainer "
+            "FSDP2: " + "; ".join(before) + "."
+            if before
             else ""
         ),
     ]

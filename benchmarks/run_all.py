@@ -31,12 +31,12 @@ Runs, each in its own process (one crash does not lose the others' sections):
                             save with/without segment checksums, restore from S3
 - ``bench_trackers.py``     issue 32: save stall with no tracker, an MLflow server, a
                             closed port and an endpoint that never answers; close() time
-- ``bench_frameworks.py``   issue 30: a 2-rank Lightning FSDP2 job, stall and bytes of
-                            stepvault's sharded saves vs Lightning's own
+- ``bench_frameworks.py``   issue 30: a 2-rank Lightning job (FSDP2, FSDP1, DeepSpeed),
+                            stall, save and bytes of stepvault's saves vs Lightning's own
 - ``bench_deepspeed.py``    issue 30: a 2-rank DeepSpeed ZeRO-2 job, stall, durable save
                             and bytes of stepvault's saves vs DeepSpeed's save_checkpoint
-- ``bench_trainer_sharded.py`` issue 30: a 2-rank HF Trainer job with ZeRO-2 / FSDP2,
-                            stall, job time and bytes of StepvaultTrainer vs the Trainer's own
+- ``bench_trainer_sharded.py`` issue 30: a 2-rank HF Trainer / Accelerate job with ZeRO-2 /
+                            FSDP2, stall, save, job time and bytes of stepvault vs their own
 - ``bench_torchtitan.py``   issue 30: a 2-rank torchtitan job (its own environment), stall,
                             durable save and bytes of stepvault vs torchtitan's DCP sync/async
 
@@ -144,17 +144,28 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
             *("--close-timeout", "2", "--no-server"),
         ],
     ),
-    # issue 30: a 2-rank Lightning FSDP2 job, stepvault vs Lightning's own sharded saves
-    "frameworks": ([], ["--width", "128", "--layers", "2", "--saves", "2", "--every", "2"]),
+    # issue 30: a 2-rank Lightning job (FSDP2, FSDP1, DeepSpeed), stepvault vs Lightning's own
+    # (quick: FSDP2 only)
+    "frameworks": (
+        [],
+        [
+            *("--width", "128", "--layers", "2", "--saves", "2", "--every", "2"),
+            *("--strategies", "model_parallel"),
+        ],
+    ),
     # issue 30: a 2-rank DeepSpeed ZeRO-2 job, stepvault vs DeepSpeed's save_checkpoint
     "deepspeed": (
-        ["--width", "768", "--layers", "6", "--saves", "6"],
+        ["--width", "768", "--layers", "6", "--saves", "10"],
         ["--width", "128", "--layers", "2", "--saves", "2", "--every", "2"],
     ),
-    # issue 30: the HF Trainer with ZeRO-2 / FSDP2, StepvaultTrainer vs the Trainer's own
+    # issue 30: the HF Trainer / Accelerate with ZeRO-2 / FSDP2, stepvault vs their own
+    # (quick: the Trainer only, no fine-tune and no old-layout rows)
     "trainer_sharded": (
         [],
-        ["--embd", "64", "--layers", "2", "--saves", "2", "--every", "2", "--no-fine-tune"],
+        [
+            *("--embd", "64", "--layers", "2", "--saves", "2", "--every", "2", "--no-fine-tune"),
+            *("--frameworks", "trainer", "--no-before"),
+        ],
     ),
     # issue 30: a 2-rank torchtitan job, stepvault vs torchtitan's own DCP (sync and async)
     # (quick: only where its environment is built already; building it takes minutes)
