@@ -195,3 +195,59 @@ def test_lightning_model_parallel_checkpoint_of_2_ranks_resumes_on_4(tmp_path):
     info = stepvault.restore(root, {"model": plain}, run="reshard", strict=False)
     assert info is not None and info.step == 12
     assert worker.weights_digest(plain) == _line(four, "WEIGHTS")
+
+
+def _damage_rank1_shard(root: Path, run: str, step: int) -> str:
+    """Flip one bit of a weight shard only rank 1 wrote in ``run@step`` (a shard at a
+    nonzero offset whose object no older checkpoint names); the tensor's name."""
+    from helpers import flip_byte, object_path
+
+    from stepvault.format import parse_manifest
+    from stepvault.store import Store
+
+    vault = stepvault.open(root)
+    older = {o for s in vault.steps(run) if s < step for o in vault.manifest(run, s).objects}
+    m = parse_manifest(Store.open(root).read_manifest(run, step), f"{run}@{step}")
+    for fqn, entry in m.sharded["entries"].items():
+        if entry["type"] != "tensor" or not fqn.startswith("model."):
+            continue
+        for shard in entry["shards"]:
+            chunk = shard["chunks"][0][0] if shard["chunks"] else None
+            if any(shard["offsets"]) and chunk is not None and chunk not in older:
+                flip_byte(object_path(root, chunk))
+                return fqn
+    raise AssertionError(f"no weight shard of rank 1 only in {run}@{step}")
+
+
+@pytest.mark.extended
+def test_lightning_fsdp1_without_device_mesh_killed_damaged_and_resumed_is_bitwise(tmp_path):
+    """Lightning's FSDPStrategy (FSDP1, FULL_SHARD) as most users build it: no
+    device_mesh (its state dicts would be ShardedTensors; the callback gives the wrapped
+    model the 1-D world mesh, so they are DTensors). 2 CPU processes through Lightning's
+    own launcher (the test-only CPU subclass in the worker). SIGKILL after a committed
+    checkpoint; one bit of a weight shard only rank 1 wrote in the newest is flipped; the
+    rerun in new processes falls back on both ranks to the checkpoint before, crosses the
+    epoch boundary (8 steps) and ends bitwise equal to the uninterrupted job (weights and
+    AdamW moments). The old code refused this strategy at setup."""
+    ref = run_job(_job(tmp_path / "ref", "fsdp", "--no-mesh"), timeout=420)
+    reference, reference_weights = final_digest(ref), _line(ref, "WEIGHTS")
+    root = tmp_path / "b"
+    cmd = [*_job(root, "fsdp", "--no-mesh"), "--step-sleep", "0.15"]
+    steps, status = kill_job_when_saved(cmd, root, "sharded", min_step=6, timeout=420)
+    assert status == -signal.SIGKILL and steps[-1] < 12, (status, steps)
+    assert len(steps) >= 2 and steps[-2] < 8, steps
+    manifest = stepvault.open(root).manifest("sharded", steps[-1])
+    assert manifest.sharded and manifest.metadata["lightning_strategy"] == "CPUFSDPStrategy"
+    _damage_rank1_shard(root, "sharded", steps[-1])
+    out = run_job(cmd[:-2], timeout=420)
+    assert f"RESUMED {steps[-2]}" in out
+    assert final_digest(out) == reference
+    assert _line(out, "WEIGHTS") == reference_weights
+    assert stepvault.ops.verify(root, deep=True).ok  # the damaged one was quarantined
+    from stepvault.catalog.events import read_events
+    from stepvault.store import Store
+
+    events = read_events(Store.open(root), "sharded")
+    restores = [e for e in events if e["event"] == "restore" and e["step"] is not None]
+    assert [e["step"] for e in restores] == [steps[-2]], restores
+    assert [s["step"] for s in restores[0]["skipped"]] == [steps[-1]], restores

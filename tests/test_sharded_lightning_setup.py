@@ -5,6 +5,7 @@ what the callback takes over and what it refuses, with why and what to use. The
 from __future__ import annotations
 
 import pytest
+import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -34,13 +35,40 @@ def _trainer(strategy) -> pl.Trainer:
     )
 
 
-def test_fsdp_strategy_without_a_device_mesh_is_refused_with_the_way_out(tmp_path):
+@pytest.mark.parametrize(
+    ("kwargs", "refusal"),
+    [
+        # hybrid: replicated across one dimension, sharded along the other (not one
+        # world-sized group); auto_wrap_policy lets Lightning build it without a mesh
+        (
+            {"sharding_strategy": "HYBRID_SHARD", "auto_wrap_policy": {torch.nn.Linear}},
+            r"HYBRID_SHARD.*without a device_mesh.*FULL_SHARD or SHARD_GRAD_OP.*ModelParallel",
+        ),
+        ({"sharding_strategy": "NO_SHARD"}, r"NO_SHARD.*is DDP: use strategy=\"ddp\""),
+        ({"process_group": object()}, r"process_group=.*Leave process_group out"),
+    ],
+)
+def test_fsdp_strategy_without_a_mesh_is_refused_where_the_world_mesh_cannot_be_given(
+    tmp_path, kwargs, refusal
+):
     ckpt = StepvaultCheckpoint(tmp_path, run="r")
-    trainer = _trainer(_CPUFSDPStrategy(state_dict_type="sharded"))
-    with pytest.raises(StepvaultError, match=r"device_mesh=.*ShardedTensors"):
+    trainer = _trainer(_CPUFSDPStrategy(state_dict_type="sharded", **kwargs))
+    with pytest.raises(StepvaultError, match=refusal):
         ckpt.setup(trainer, _Module(), "fit")
     assert ckpt.manager is None  # nothing opened in the store
     assert not (tmp_path / "stepvault.json").exists()
+
+
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp_strategy_without_a_mesh_is_taken(tmp_path, sharding):
+    # FULL_SHARD/SHARD_GRAD_OP over the world: the callback gives FSDP1 the world mesh
+    # after wrapping (the 2-process job is in tests/test_sharded_lightning.py); here only
+    # the one-device refusal is left, which every sharding strategy gets.
+    ckpt = StepvaultCheckpoint(tmp_path, run="r")
+    trainer = _trainer(_CPUFSDPStrategy(state_dict_type="sharded", sharding_strategy=sharding))
+    with pytest.raises(StepvaultError, match=r"on one device"):
+        ckpt.setup(trainer, _Module(), "fit")
+    assert ckpt.manager is None
 
 
 def test_model_parallel_strategy_save_and_load_are_taken_over_and_given_back(tmp_path):

@@ -49,8 +49,10 @@ class CPUFSDPStrategy(FSDPStrategy):
 
     def setup_environment(self) -> None:
         # Lightning builds a tuple device_mesh on "cuda"; the same mesh on CPU here.
-        shape = self.kwargs.pop("device_mesh")
+        shape = self.kwargs.pop("device_mesh", None)
         super().setup_environment()
+        if shape is None:
+            return  # no mesh (--no-mesh): FSDP1 over the default group
         from torch.distributed.device_mesh import init_device_mesh
 
         self.kwargs["device_mesh"] = init_device_mesh("cpu", shape)
@@ -177,6 +179,7 @@ def main() -> None:
     p.add_argument("--sync-saves", action="store_true", help="async_save=False")
     p.add_argument("--native", help="save with Lightning's own sharded checkpoints here")
     p.add_argument("--resume-native", help="resume from this Lightning checkpoint folder")
+    p.add_argument("--no-mesh", action="store_true", help="fsdp: FSDPStrategy without device_mesh")
     args = p.parse_args()
 
     pl.seed_everything(0, verbose=False)
@@ -188,7 +191,7 @@ def main() -> None:
         strategy = CPUFSDPStrategy(
             state_dict_type="sharded",
             auto_wrap_policy={torch.nn.Linear},
-            device_mesh=(args.devices,),  # DTensor state dicts (StepvaultCheckpoint needs it)
+            device_mesh=None if args.no_mesh else (args.devices,),
             timeout=timedelta(seconds=120),
         )
     callbacks: list[pl.Callback] = []

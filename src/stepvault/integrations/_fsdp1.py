@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..errors import StepvaultError
 
 #: Sharding strategies whose state is sharded over the default group on one mesh dim.
-_FLAT = ("FULL_SHARD", "SHARD_GRAD_OP")
+FLAT_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
 def is_fsdp1(model: Any) -> bool:
@@ -50,7 +50,7 @@ def give_world_mesh(model: torch.nn.Module, where: str) -> None:
         return
     for state in todo:
         strategy = state.sharding_strategy.name
-        if strategy not in _FLAT:
+        if strategy not in FLAT_STRATEGIES:
             raise StepvaultError(
                 f"{where}: FSDP1 with sharding_strategy {strategy} is not supported (its "
                 "state is not sharded over one world-sized mesh dimension, which the "

@@ -194,10 +194,11 @@ class CheckpointMixin:
     run's lease) and writes, as Lightning writes its own checkpoints; its save policy
     decides for every rank; every rank's RNG state goes into the checkpoint; on resume
     rank 0 chooses the checkpoint and every rank loads that one. Under
-    ``ModelParallelStrategy`` (FSDP2/DTensor) and ``FSDPStrategy`` (with a ``device_mesh``)
-    every rank holds a collective manager and the callback takes over the strategy's own
-    ``save_checkpoint``/``load_checkpoint`` of ``stepvault:`` paths: every rank writes and
-    restores its own shards (INTEGRATIONS.md, "Sharded strategies"). Under
+    ``ModelParallelStrategy`` (FSDP2/DTensor) and ``FSDPStrategy`` (FSDP1, FULL_SHARD or
+    SHARD_GRAD_OP, or over a ``device_mesh``) every rank holds a collective manager and the
+    callback takes over the strategy's own ``save_checkpoint``/``load_checkpoint`` of
+    ``stepvault:`` paths: every rank writes and restores its own shards (INTEGRATIONS.md,
+    "Sharded strategies"). Under
     ``DeepSpeedStrategy`` (ZeRO 1/2/3) those methods run DeepSpeed's own engine save and
     load through :class:`~stepvault.integrations.deepspeed.DeepSpeedCheckpointer`. Other
     strategies that write their own files are refused.
@@ -295,7 +296,7 @@ class CheckpointMixin:
         if trainer.world_size > 1 and not self._sharded:
             self._check_strategy(strategy)
         if self._sharded:
-            _check_fsdp_mesh(strategy)
+            _check_fsdp1(strategy)
         if self._sharded and trainer.world_size == 1:
             raise StepvaultError(
                 f"StepvaultCheckpoint does not support {type(strategy).__name__} on one "
@@ -422,6 +423,8 @@ class CheckpointMixin:
                 mgr.total_steps = int(total)
         if self._deepspeed is not None and mgr is not None:
             self._deepspeed.attach()  # a fresh start: the engine exists now
+        if self._sharded and self._deepspeed is None:
+            _fsdp1_mesh(trainer.strategy)  # before staging is prepared from its state
         # After a resume has loaded the optimizers: the first due save only copies.
         self._prepare_staging(mgr, _bulk(trainer, pl_module))
         if self._sharded:
@@ -625,6 +628,7 @@ class CheckpointMixin:
     def _sharded_state(self, strategy: Any, rest: Any) -> dict[str, Any]:
         """The live sharded objects of a sharding strategy, as the collective manager
         saves and restores them: the (wrapped) module, each optimizer, Lightning's dict."""
+        _fsdp1_mesh(strategy)
         state: dict[str, Any] = {MODEL_KEY: strategy.model}
         for i, opt in enumerate(strategy.optimizers):
             state[f"optimizer_{i}"] = getattr(opt, "_optimizer", opt)  # a LightningOptimizer
@@ -786,23 +790,48 @@ class CheckpointMixin:
         return to_lightning_checkpoint({**extra, **holder}, layout)
 
 
-def _check_fsdp_mesh(strategy: Any) -> None:
-    """Refuse an ``FSDPStrategy`` without a ``device_mesh``: FSDP1 then shards its state as
-    ``ShardedTensor``s, and torch 2.13's ``torch.distributed.checkpoint`` cannot load their
-    optimizer state back (``Missing key in checkpoint state_dict: ...param_groups``; its
-    own ``dcp.save``/``dcp.load`` of ``get_state_dict`` fails the same way), nor stage
-    them asynchronously. With a device mesh FSDP1's state dicts are DTensors."""
+def _check_fsdp1(strategy: Any) -> None:
+    """Refuse, at setup (before any collective), an ``FSDPStrategy`` without a
+    ``device_mesh`` that :func:`._fsdp1.give_world_mesh` cannot give the 1-D world mesh:
+    hybrid sharding, ``NO_SHARD`` and a ``process_group`` of its own. Without a mesh FSDP1
+    shards its state as ``ShardedTensor``s, which torch 2.13's asynchronous staging cannot
+    copy; with the world mesh attached after wrapping (:func:`_fsdp1_mesh`) the same
+    shards are DTensors, as ``device_mesh=(world_size,)`` would make them."""
+    from ._fsdp1 import FLAT_STRATEGIES
+
     if type(strategy).__name__ == "ModelParallelStrategy" or not hasattr(strategy, "kwargs"):
         return
-    if strategy.kwargs.get("device_mesh") is None:
+    if strategy.kwargs.get("device_mesh") is not None:
+        return  # FSDP1 over the user's mesh: DTensor state dicts already
+    name = type(strategy).__name__
+    sharding = getattr(getattr(strategy, "sharding_strategy", None), "name", "FULL_SHARD")
+    if sharding not in FLAT_STRATEGIES:
         raise StepvaultError(
-            f"StepvaultCheckpoint needs {type(strategy).__name__}(device_mesh=...) (e.g. "
-            "device_mesh=(world_size,)): without a device mesh FSDP1 shards its state as "
-            "ShardedTensors, whose optimizer state torch.distributed.checkpoint cannot load "
-            "back (torch's own dcp.save/dcp.load fail the same way). With a mesh the state "
-            "is DTensors and saves, resumes and reshards work; ModelParallelStrategy (FSDP2) "
-            "needs nothing more"
+            f"StepvaultCheckpoint does not support {name}(sharding_strategy="
+            f'"{sharding}") without a device_mesh: its state is not sharded over one '
+            "world-sized group, which the collective save needs. Use FULL_SHARD or "
+            "SHARD_GRAD_OP, or ModelParallelStrategy (FSDP2 fully_shard over a 2-D mesh in "
+            'configure_model) for hybrid sharding; NO_SHARD is DDP: use strategy="ddp"'
         )
+    if strategy.kwargs.get("process_group") is not None:
+        raise StepvaultError(
+            f"StepvaultCheckpoint does not support {name}(process_group=...): an FSDP1 "
+            "module sharded over a group other than the world is not saved collectively. "
+            "Leave process_group out (the world), or use ModelParallelStrategy (FSDP2) "
+            "with a device mesh"
+        )
+
+
+def _fsdp1_mesh(strategy: Any) -> None:
+    """Give a wrapped FSDP1 model (``FSDPStrategy`` without a ``device_mesh``) the 1-D
+    world mesh, so that its state dicts are DTensors (see :mod:`._fsdp1`). Called once the
+    strategy has wrapped the module: before the first save, restore or staging. A no-op
+    for FSDP2 and for FSDP1 built over a mesh."""
+    from ._fsdp1 import give_world_mesh, is_fsdp1
+
+    model = getattr(strategy, "model", None)
+    if model is not None and is_fsdp1(model):
+        give_world_mesh(model, f"StepvaultCheckpoint under {type(strategy).__name__}")
 
 
 def _without_sigterm_collective(trainer: pl.Trainer) -> None:
