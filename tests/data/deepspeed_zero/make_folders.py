@@ -7,6 +7,12 @@ too long for a fast test, so the folders are stored here. Rebuild with::
     for s in 1 2 3; do DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone \\
         --nproc_per_node 2 tests/data/deepspeed_zero/make_folders.py --stage $s; done
 
+With ``--resume-from stepvault --root STORE --run-name RUN`` or ``--resume-from deepspeed``, the
+job instead resumes the stored ZeRO-3 folder (an import of it in STORE through
+``DeepSpeedCheckpointer.resume``, or DeepSpeed's own ``load_checkpoint`` of the folder),
+trains one more step on a fixed batch and saves with DeepSpeed's own ``save_checkpoint`` to
+``--out`` (tests/test_migrate_deepspeed.py compares the two).
+
 The model holds what makes a consolidation hard: a tied weight (``head.weight`` is
 ``emb.weight``: one of DeepSpeed's ``shared_params``), frozen parameters, two parameter
 groups (decay / no decay: two flat fp32 groups per rank), element counts that are odd (the
@@ -20,6 +26,7 @@ import argparse
 import os
 import shutil
 import sys
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -64,6 +71,10 @@ def main() -> int:
 
     p = argparse.ArgumentParser()
     p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--resume-from", choices=["stepvault", "deepspeed"], default="")
+    p.add_argument("--root", default="")
+    p.add_argument("--run-name", default="z3")
+    p.add_argument("--out", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -84,6 +95,8 @@ def main() -> int:
         "steps_per_print": 10_000,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    if args.resume_from:
+        return resume(engine, args, rank)
     g = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         ids = torch.randint(0, 13, (2, 5), generator=g)
@@ -102,6 +115,32 @@ def main() -> int:
             if os.path.exists(os.path.join(out, script)):
                 os.remove(os.path.join(out, script))
         print("WROTE", out, sorted(os.listdir(os.path.join(out, f"global_step{STEPS}"))))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def resume(engine: Any, args: argparse.Namespace, rank: int) -> int:
+    """Resume the stored folder (through stepvault or DeepSpeed), one step, save to --out."""
+    import torch.distributed as dist
+
+    folder = os.path.join(HERE, f"zero{args.stage}")
+    if args.resume_from == "stepvault":
+        from stepvault.integrations.deepspeed import DeepSpeedCheckpointer
+
+        ckpt = DeepSpeedCheckpointer(engine, args.root, args.run_name)
+        info = ckpt.resume()
+        assert info is not None, "nothing to resume"
+        print(f"RESUMED {info.step}", flush=True)
+        ckpt.close()  # DeepSpeed's own engine back for the save below
+    else:
+        engine.load_checkpoint(folder)
+    assert engine.global_steps == STEPS, engine.global_steps
+    ids = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(100 + rank))
+    loss = nn.functional.cross_entropy(engine(ids).flatten(0, 1), ids.flatten())
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(args.out)
     dist.barrier()
     dist.destroy_process_group()
     return 0
