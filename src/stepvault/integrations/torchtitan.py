@@ -33,6 +33,14 @@ checkpoint. A run with no checkpoint in the store takes torchtitan's own initial
 Nothing is pickled: torchtitan's dataloader pickles its state into the checkpoint; this
 manager stores the state of the underlying ``StatefulDataLoader`` in stepvault's safe
 encoding instead (one value per data-parallel rank) and loads it back without pickle.
+That position cannot be split or joined, so a resume with another data-parallel degree is
+refused before anything is loaded (``exclude_from_loading`` names the way out).
+
+Preemption: torchtitan has no signal handling, but calls the checkpointer's ``save``
+after every step on every rank; with ``preemption`` (default) a SIGTERM/SIGUSR1 makes the
+ranks write one collective checkpoint at the next step's end and exit with the policy's
+code (stepvault's ``OnSignal``). :func:`export_hf` writes a Hugging Face folder of a
+checkpoint's model through torchtitan's own state-dict adapter.
 """
 
 from __future__ import annotations
