@@ -7,8 +7,9 @@ change FSDP -> DDP, for tests/test_sharded_reshard.py.
 
 At the start of training rank 0 writes ``--restored`` (``torch.save``): the full weights,
 the AdamW moments by parameter name and the scheduler's last LR, as the job starts from
-them. It prints ``RESUMED <step> skipped=<n>`` and ``LOSS <value>`` of the last logged step,
-or ``REFUSED <message>`` when the resume is refused.
+them; at the end ``--final``: the same and every rank's next RNG draw. It prints
+``RESUMED <step> skipped=<n>`` and ``LOSS <value>`` of the last logged step, or
+``REFUSED <message>`` when the resume is refused.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main() -> int:
     p.add_argument("--max-steps", type=int, default=16)
     p.add_argument("--save-every", type=int, default=4)
     p.add_argument("--restored", required=True)
+    p.add_argument("--final", default="", help="the state at the end (rank 0 writes it)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -113,6 +115,13 @@ def main() -> int:
             print(f"REFUSED {exc}", flush=True)
         return 0
     info = ckpt.last_restore
+    final = _state(trainer.model, trainer.optimizer, trainer.lr_scheduler.get_last_lr())
+    draws = [torch.zeros(3) for _ in range(dist.get_world_size())]
+    dist.all_gather(draws, torch.rand(3))  # every rank's next draw, as the FSDP2 job's --final
+    for r, d in enumerate(draws):
+        final[f"rng.rank{r}"] = d
+    if args.final and rank == 0:
+        torch.save(final, args.final)
     if rank == 0:
         if info is not None:
             print(f"RESUMED {info.step} skipped={len(info.skipped)}", flush=True)

@@ -293,11 +293,9 @@ def restore_local(
     """Restore the first of ``chosen`` that fits and verifies, in this process.
 
     A checkpoint written by several ranks (the newest candidate's manifest says so) is
-    handed to :func:`restore_offer` with that manifest, parsed once; ``on_sharded(step)``
-    may refuse it first (``assign=True``). Under a process group (a DDP rank: a
-    rank-local manager, an integration's read on another rank) it is restored in this
-    process alone, as one process reshards (:func:`restore_rank_local`). ``verify``: how
-    objects are checked, ``"fast"`` or ``"full"`` (:class:`RestorePlanner`).
+    handed to :func:`restore_offer` with that manifest, parsed once (under a process
+    group: in this process alone, :mod:`.rank_local`); ``on_sharded(step)`` may refuse it
+    first (``assign=True``). ``verify``: ``"fast"`` or ``"full"`` (:class:`RestorePlanner`).
     """
     if not chosen.steps:
         raise NoValidCheckpointError(f"run {source.run!r} has no checkpoint to restore")
@@ -312,9 +310,10 @@ def restore_local(
 
         offer = Offer(chosen.steps, chosen.fallback, planner.open(first).manifest)
         planner.forget(first)
-        if world_size() > 1:  # this process alone: no rank of the group takes part
-            return restore_rank_local(source, state, offer, strict=strict, workers=planner.workers)
-        return restore_offer(source, state, offer, strict=strict, workers=planner.workers)
+        restore = restore_offer
+        if world_size() > 1:  # a DDP rank: this process alone, no rank of the group joins
+            from .rank_local import restore_rank_local as restore
+        return restore(source, state, offer, strict=strict, workers=planner.workers)
     copies = source.with_copies(chosen)
     with restore_progress(progress, source.store, f"restore {source.run}") as report:
         planner.progress = report
@@ -372,92 +371,6 @@ def restore_offer(
     )
 
 
-def restore_rank_local(
-    source: Source,
-    state: MutableMapping[str, Any],
-    offer: Any,
-    *,
-    strict: bool = True,
-    workers: int | None = None,
-) -> RestoreInfo:
-    """Under a process group, in this process alone: the first candidate of ``offer``
-    (an :class:`~stepvault.distributed.agreement.Offer`) that fits and verifies, read the
-    way one process reshards a checkpoint several ranks wrote (DCP without a collective:
-    this rank reads the full tensors). What a DDP rank needs from an FSDP job's
-    checkpoint: the whole model and optimizer state.
-
-    Per-rank values are this rank's: the RNG state saved by the same rank where the
-    checkpoint has one; a rank it lacks (2 FSDP ranks -> 4 DDP ranks) keeps its own RNG,
-    with a warning. Plain values are the ones every rank saved alike (rank 0's).
-
-    The ranks agree without a collective: before placing a byte each rank verifies
-    *every* object of a sharded candidate (every rank's shards and RNG, not only what it
-    reads), so damage anywhere is seen by every rank alike and every rank falls back to
-    the same candidate; a rank that reads exactly the step another rank chose (the DDP
-    integrations' ranks != 0) finds the same verdict. A candidate one process wrote is
-    restored by :class:`RestorePlanner`.
-    """
-    from ..distributed.restoring import restore_checkpoint
-    from ..format import parse_manifest
-
-    t0 = time.perf_counter()
-    store, run = source.store, source.run
-    skipped: list[SkippedCheckpoint] = []
-    for i, candidate in enumerate(offer.steps):
-        one_process = False  # RestorePlanner quarantines the damage it finds itself
-        try:
-            first = offer.first if i == 0 else None
-            manifest = (
-                first
-                if isinstance(first, Manifest)
-                else parse_manifest(store.read_manifest(run, candidate), f"{run}@{candidate}")
-            )
-            if not manifest.sharded:
-                one_process = True
-                info = RestorePlanner(store, run, workers=workers).restore(
-                    state, [candidate], fallback=False, strict=strict
-                )
-                info.skipped = skipped + info.skipped
-                return info
-            _verify_sharded(store, manifest, workers)
-            restore_checkpoint(
-                store, state, run, candidate, manifest, workers=workers, strict=strict, local=True
-            )
-        except (IntegrityError, StoreVersionError) as exc:
-            reason = str(exc)
-            if isinstance(exc, CorruptObjectError) and exc.digest and not one_process:
-                # a damaged object must not be "deduplicated" into future checkpoints
-                reason += f" (object moved to {store.quarantine_object(exc.digest)})"
-            if not offer.fallback:
-                raise
-            skipped.append(SkippedCheckpoint(candidate, reason))
-            continue
-        metadata = decode_value(manifest.metadata, lambda kind, name: None)
-        return RestoreInfo.of_manifest(manifest, metadata, skipped, time.perf_counter() - t0)
-    reasons = "\n  ".join(f"{s.step}: {s.reason}" for s in skipped)
-    raise NoValidCheckpointError(
-        f"no checkpoint of run {run!r} verifies; tried {len(skipped)}:\n  {reasons}", skipped
-    )
-
-
-def _verify_sharded(store: Store, manifest: Manifest, workers: int | None) -> None:
-    """Read and verify every object of a sharded checkpoint (every rank's shards)."""
-    from ..engine import CheckpointReader
-
-    digests = {
-        chunk[0]
-        for entry in (manifest.sharded or {}).get("entries", {}).values()
-        if entry.get("type") != "value"
-        for shard in entry.get("shards", [])
-        for chunk in shard["chunks"]
-    }
-    reader = CheckpointReader(store, manifest, workers=workers)
-    try:
-        reader.prefetch(iter(sorted(digests)))
-    finally:
-        reader.release()
-
-
 @contextmanager
 def restore_progress(
     progress: bool | ProgressFn | None, store: Store, description: str
@@ -483,6 +396,5 @@ __all__ = [
     "restore_local",
     "restore_offer",
     "restore_progress",
-    "restore_rank_local",
     "share_choice",
 ]

@@ -347,8 +347,9 @@ class StepvaultTrainerMixin(_TrainerBase):
                 step = "latest" if resume_from_checkpoint is True else resume_from_checkpoint
                 if self._stepvault_sharding is not None:
                     scratch = self._stepvault_choose_sharded(cb, step)
-                else:
-                    scratch = self._stepvault_prepare_resume(cb, step)
+                else:  # DDP / one process: a sharded job's checkpoint is resharded
+                    scratch = self._stepvault_choose_sharded(cb, step, reshard=True)
+                    scratch = scratch or self._stepvault_prepare_resume(cb, step)
                 resume_from_checkpoint = scratch
             result = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs
@@ -444,10 +445,16 @@ class StepvaultTrainerMixin(_TrainerBase):
         return None
 
     # --------------------------------------------------------- sharded (DeepSpeed, FSDP2)
-    def _stepvault_choose_sharded(self, cb: StepvaultCallback, step: Any) -> str:
+    def _stepvault_choose_sharded(
+        self, cb: StepvaultCallback, step: Any, *, reshard: bool = False
+    ) -> str | None:
         """Collective: the checkpoint a sharded job resumes from, proposed before the
         Trainer builds its engine or shards its model (``train()`` reads
-        ``trainer_state.json`` first).
+        ``trainer_state.json`` first). ``reshard``: a DDP (or one-process) job, which
+        takes this path only when the newest candidate was written by several ranks (an
+        FSDP job's: None otherwise); it is then loaded once the Trainer has built the
+        optimizer, every rank reading the full tensors in its own process
+        (:meth:`_stepvault_load_resharded`).
 
         Rank 0 proposes the newest full checkpoint (or exactly ``step``) from the manifests
         alone; no object is read here. The load (:meth:`_stepvault_load_early`) reads each
@@ -464,6 +471,8 @@ class StepvaultTrainerMixin(_TrainerBase):
         )
         ref: Any = "latest" if step == "latest" else int(step)
         offer = share_choice(source, lambda: source.choose(ref))
+        if reshard and not _sharded_offer(cb.run, offer):
+            return None  # one process wrote it: the DDP resume (_stepvault_prepare_resume)
         if not offer.steps:
             raise ValueError(
                 f"No checkpoint found in stepvault run {cb.run!r} of {cb.root} "
@@ -471,7 +480,10 @@ class StepvaultTrainerMixin(_TrainerBase):
             )
         scratch = tempfile.mkdtemp(prefix="stepvault-resume-")
         _write_trainer_state(scratch, cb, max(offer.steps) if ref == "latest" else ref)
-        self._stepvault_resume = (scratch, {"sharded": ref})
+        self._stepvault_resume = (
+            scratch,
+            {"sharded": ref, **({"reshard": True} if reshard else {})},
+        )
         return scratch
 
     # Transformers 5.x: called by the training loop right before it reads the checkpoint's
@@ -492,9 +504,13 @@ class StepvaultTrainerMixin(_TrainerBase):
         checkpoint that verifies on every rank into it, and write the loaded step's
         ``trainer_state.json`` for the training loop to place the data by."""
         scratch, tree = resume
-        model, loader = self._stepvault_prepare_sharded(max_steps, dataloader, None)
         cb = self._stepvault_callback()
-        info = self._stepvault_load_sharded(cb, tree)
+        if "reshard" in tree:  # DDP: the Trainer's own preparation (wraps, builds the optimizer)
+            model, loader = super()._prepare_for_training(max_steps, dataloader, None)
+            info = self._stepvault_load_resharded(cb, tree)
+        else:
+            model, loader = self._stepvault_prepare_sharded(max_steps, dataloader, None)
+            info = self._stepvault_load_sharded(cb, tree)
         cb.last_restore = info
         if rank_and_world()[0] == 0:
             for sk in info.skipped:
@@ -511,14 +527,14 @@ class StepvaultTrainerMixin(_TrainerBase):
     def _prepare_for_training(
         self, max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any
     ) -> tuple[Any, Any]:
-        if self._stepvault_sharding is None:
-            return super()._prepare_for_training(
-                max_steps, train_dataloader, resume_from_checkpoint
-            )
         tree = self._stepvault_restored(resume_from_checkpoint)
         if tree is not None and "early" in tree:  # prepared and loaded already
             early: tuple[Any, Any] = tree.pop("early")
             return early
+        if self._stepvault_sharding is None:
+            return super()._prepare_for_training(
+                max_steps, train_dataloader, resume_from_checkpoint
+            )
         # An ordinary checkpoint folder is loaded by the Trainer as usual.
         return self._stepvault_prepare_sharded(max_steps, train_dataloader, resume_from_checkpoint)
 
@@ -603,6 +619,32 @@ class StepvaultTrainerMixin(_TrainerBase):
             info = mgr.restore(self._stepvault_sharded_state(), ref)
         if info is None:  # deleted since the choice
             raise ValueError(f"No checkpoint found in stepvault run {cb.run!r} of {cb.root}")
+        tree["rng"] = RNGState().state_dict()  # this rank's, as just restored
+        return info
+
+    def _stepvault_load_resharded(self, cb: StepvaultCallback, tree: dict[str, Any]) -> RestoreInfo:
+        """DDP (or one process) resuming a sharded (FSDP2) job's checkpoint: the whole
+        model, optimizer and scheduler on every rank, each rank reading the full tensors
+        in its own process (the restore planner's rank-local reshard). Process zero's
+        manager chooses the newest that verifies (every object of it, every rank's part);
+        the other ranks read exactly that step. Each rank takes the RNG state the same
+        rank saved (a rank the checkpoint lacks keeps its own, with a warning), kept for
+        ``_load_rng_state``."""
+        ref = tree["sharded"]
+        state = self._stepvault_sharded_state()
+        mgr = cb.open()  # a collective call: every rank, process zero gets the manager
+
+        def choose() -> RestoreInfo:
+            assert mgr is not None  # on_rank0 runs this on process zero
+            info = mgr.restore(state, ref)
+            if info is None:  # deleted since the choice
+                raise ValueError(f"No checkpoint found in stepvault run {cb.run!r} of {cb.root}")
+            return info
+
+        info: RestoreInfo = on_rank0(choose, "choosing the checkpoint to resume from")
+        if mgr is None:  # not process zero: the same step, exactly
+            mine = read_checkpoint(cb.root, cb.run, state, info.step)
+            info = dataclasses.replace(mine, skipped=info.skipped)
         tree["rng"] = RNGState().state_dict()  # this rank's, as just restored
         return info
 
@@ -851,6 +893,16 @@ def _write_trainer_state(
         state = dataclasses.asdict(TrainerState(global_step=step, epoch=float(epoch or 0)))
     with open(os.path.join(folder, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
         json.dump(state, f)
+
+
+def _sharded_offer(run: str, offer: Any) -> bool:
+    """Whether the first candidate of ``offer`` was written by several ranks."""
+    from ..format import parse_manifest
+
+    first = offer.first
+    if not offer.steps or not isinstance(first, bytes):
+        return False  # none, or unreadable: the DDP resume reports it (and falls back)
+    return bool(parse_manifest(first, f"{run}@{offer.steps[0]}").sharded)
 
 
 def _holder(cb: StepvaultCallback, model: Any, step: Any) -> dict[str, Any]:
