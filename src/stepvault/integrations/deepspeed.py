@@ -288,21 +288,39 @@ class DeepSpeedCheckpointer:
             else:  # one process wrote it: an import of DeepSpeed's own folder
                 loaded.update(self._read_whole(store, candidate, manifest))
 
-        chosen, manifest, skipped = try_candidates(store, self.run, offer, attempt)
-        files = {n: unpack_file(p) for n, p in loaded.get("deepspeed", {}).items()}
-        tag = f"global_step{chosen}"
-        folder = os.path.join(self._scratch, tag)
-        os.makedirs(folder, exist_ok=True)
-        for name in files:  # DeepSpeed lists the model-state files with glob
-            open(os.path.join(folder, name), "w").close()
-        self.checkpoint_engine.loaded = files
         try:
-            path, _client = self.engine.load_checkpoint(self._scratch, tag=tag, **load_options)
-        finally:
-            self.checkpoint_engine.loaded = {}
-            shutil.rmtree(folder, ignore_errors=True)
-        if path is None:
-            raise StepvaultError(f"{self.run}@{chosen}: DeepSpeed loaded nothing from it")
+            chosen, manifest, skipped = try_candidates(store, self.run, offer, attempt)
+            files = {n: unpack_file(p) for n, p in loaded.get("deepspeed", {}).items()}
+            tag = f"global_step{chosen}"
+            folder = os.path.join(self._scratch, tag)
+            os.makedirs(folder, exist_ok=True)
+            for name in files:  # DeepSpeed lists the model-state files with glob
+                open(os.path.join(folder, name), "w").close()
+            self.checkpoint_engine.loaded = files
+            try:
+                path, _client = self.engine.load_checkpoint(self._scratch, tag=tag, **load_options)
+            finally:
+                self.checkpoint_engine.loaded = {}
+                shutil.rmtree(folder, ignore_errors=True)
+            if path is None:
+                raise StepvaultError(f"{self.run}@{chosen}: DeepSpeed loaded nothing from it")
+        except BaseException as exc:
+            # As the manager's restore does (manager/restoring.py): the failure, and the
+            # checkpoints passed over before it, go to the run's event log and stats.
+            passed = [
+                k if isinstance(k, tuple) else (k.step, k.reason)
+                for k in getattr(exc, "skipped", [])
+            ]
+            session.stats.restored(False, len(passed))
+            if session.metrics:
+                session.metrics.restored(False, len(passed))
+            session.event(
+                "restore_failed",
+                requested=str(step),
+                error=f"{type(exc).__name__}: {exc}",
+                skipped=[{"step": s, "reason": r} for s, r in passed],
+            )
+            raise
         if self.rng is not None:
             mine = (loaded.get("rng") or {}).get(f"rank{current_rank()}")
             if mine is not None:
@@ -326,6 +344,8 @@ class DeepSpeedCheckpointer:
         self.client_state = dict(_client or {})
         info = self.last_restore
         session.stats.restored(True, len(info.skipped))
+        if session.metrics:
+            session.metrics.restored(True, len(info.skipped))
         for k in info.skipped:
             session.forget(k.step)
         session.event(
