@@ -293,6 +293,7 @@ class CheckpointMixin:
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         self._sharded = self._sharding_strategy(strategy)
+        self._live_module: Any = pl_module  # a sharded job's checkpoint read under DDP
         if trainer.world_size > 1 and not self._sharded:
             self._check_strategy(strategy)
         if self._sharded:
@@ -738,13 +739,16 @@ class CheckpointMixin:
         return info
 
     def _read(self, step: int | Literal["latest", "best"]) -> dict[str, Any]:
-        holder: dict[str, Any] = {MODEL_KEY: None, LIGHTNING_KEY: None}
+        live = self._live_holder(step)
+        holder: dict[str, Any] = live or {MODEL_KEY: None, LIGHTNING_KEY: None}
         if self.manager is not None:
             info = self._accept(self.manager.restore(holder, step, strict=False))
         else:
             info = self._accept(
                 read_checkpoint(self.root, self.run, holder, step, best=self._best())
             )
+        if live is not None:
+            return _resharded_checkpoint(holder, info)
         if holder[LIGHTNING_KEY] is None:
             # A weights-only checkpoint: enough for validate/test/predict; fit() stops with
             # Lightning's own "checkpoint contains only the model" error.
@@ -757,6 +761,45 @@ class CheckpointMixin:
         checkpoint = dict(holder[LIGHTNING_KEY])
         checkpoint["state_dict"] = holder[MODEL_KEY] or {}
         return checkpoint
+
+    def _live_holder(self, step: int | Literal["latest", "best"]) -> dict[str, Any] | None:
+        """DDP (or one process) reading a checkpoint a sharding strategy wrote (the newest
+        candidate is one several ranks wrote): the live LightningModule and fresh optimizers
+        from its ``configure_optimizers`` to restore it into, each rank reading the full
+        tensors alone (the restore planner's rank-local reshard; Lightning loads a DDP
+        checkpoint before it builds its own optimizers). None otherwise."""
+        module = getattr(self, "_live_module", None)
+        if self._sharded or module is None or getattr(module, "_trainer", None) is None:
+            return None
+        from ..catalog import checkpoint_records
+        from ..core.planner import Source
+        from ..format import parse_manifest
+        from ..store import Store
+
+        try:
+            store = Store.open(self.root)
+            source = Source(
+                store,
+                self.run,
+                records=lambda: checkpoint_records(store, self.run, protected=False),
+            )
+            steps = source.choose(step, best=self._best()).steps
+            if not steps:
+                return None
+            data = store.read_manifest(self.run, steps[0])
+            if not parse_manifest(data, f"{self.run}@{steps[0]}").sharded:
+                return None
+        except StepvaultError:
+            return None  # damaged, absent: the restore reports it
+        import importlib  # Lightning's own parsing of configure_optimizers()
+
+        core = importlib.import_module(f"{self._pl.__name__}.core.optimizer")
+        optimizers, _ = core._init_optimizers_and_lr_schedulers(module)
+        holder: dict[str, Any] = {MODEL_KEY: module}
+        for i, opt in enumerate(optimizers):
+            holder[f"optimizer_{i}"] = opt
+        holder[LIGHTNING_KEY] = ""  # the rest of Lightning's dict: one typed-JSON string
+        return holder
 
     def _imported(
         self,
@@ -788,6 +831,25 @@ class CheckpointMixin:
             # fit(): Lightning resumes with these fresh (empty lists), not where they were.
             warn_resume_gaps(self.run, info.step, metadata, list(missing))
         return to_lightning_checkpoint({**extra, **holder}, layout)
+
+
+def _resharded_checkpoint(holder: dict[str, Any], info: RestoreInfo) -> dict[str, Any]:
+    """Lightning's checkpoint dict of a sharded job's checkpoint restored into the live
+    module and fresh optimizers (:meth:`StepvaultCheckpoint._live_holder`): the weights and
+    the optimizers' state in their one-process form, for Lightning's DDP restore."""
+    from ..distributed.planners import decode_value_bytes
+
+    encoded = holder[LIGHTNING_KEY]
+    if not isinstance(encoded, str) or not encoded:
+        raise StepvaultError(
+            f"{info.run}@{info.step} holds no Lightning state of a sharded save; it cannot "
+            "resume a Trainer"
+        )
+    checkpoint: dict[str, Any] = decode_value_bytes(encoded.encode())
+    checkpoint["state_dict"] = {k: v.clone() for k, v in holder[MODEL_KEY].state_dict().items()}
+    opts = sorted((k for k in holder if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
+    checkpoint["optimizer_states"] = [holder[k].state_dict() for k in opts]
+    return checkpoint
 
 
 def _check_fsdp1(strategy: Any) -> None:
