@@ -35,10 +35,10 @@ from stepvault.integrations.deepspeed import load_fp32_state_dict
 from stepvault.ops import import_checkpoint
 from stepvault.ops.migrate.deepspeed import (
     TensorRef,
-    consolidate,
     read_tag,
     register_deepspeed_types,
 )
+from stepvault.ops.migrate.deepspeed_merge import consolidate
 from stepvault.store import Store
 
 DATA = Path(__file__).parent / "data" / "deepspeed_zero"

@@ -32,12 +32,12 @@ from helpers import flip_byte, object_path
 import stepvault
 from stepvault.errors import UntrustedInputError
 from stepvault.ops.migrate.deepspeed import (
-    consolidate,
     pack_file,
     read_tag,
     register_deepspeed_types,
     unpack_file,
 )
+from stepvault.ops.migrate.deepspeed_merge import consolidate
 
 SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_train.py"
 

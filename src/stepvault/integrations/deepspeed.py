@@ -76,11 +76,11 @@ from ..manager import CheckpointManager, SaveHandle
 from ..ops.migrate.deepspeed import (
     MODEL_STATES,
     OPTIM_STATES,
-    checkpoint_weights,
     pack_file,
     register_deepspeed_types,
     unpack_file,
 )
+from ..ops.migrate.deepspeed_merge import checkpoint_weights
 from ..policy import KeepPolicy, SavePolicy
 from ..state import RNGState
 from ..store import Store
@@ -472,9 +472,9 @@ def load_fp32_state_dict(
     """The full fp32 weights of a DeepSpeed checkpoint written by any number of ranks, in
     one process and without a process group (for evaluation and export), equal to
     DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``: the ZeRO partitions joined
-    (:func:`stepvault.ops.migrate.deepspeed.consolidate`), frozen and tied weights included.
+    (:func:`stepvault.ops.migrate.deepspeed_merge.consolidate`), frozen and tied weights included.
     Only the weights' bytes are read, each verified, never the optimizer moments
-    (:func:`stepvault.ops.migrate.deepspeed.checkpoint_weights`). It holds the whole model;
+    (:func:`stepvault.ops.migrate.deepspeed_merge.checkpoint_weights`). It holds the whole model;
     ``stepvault export`` writes the same weights one tensor at a time
     (:mod:`stepvault.ops.export_zero3`)."""
     import stepvault

@@ -41,6 +41,10 @@ after every step on every rank; with ``preemption`` (default) a SIGTERM/SIGUSR1 
 ranks write one collective checkpoint at the next step's end and exit with the policy's
 code (stepvault's ``OnSignal``). :func:`export_hf` writes a Hugging Face folder of a
 checkpoint's model through torchtitan's own state-dict adapter.
+
+(Its length: one torchtitan extension point, the ``CheckpointManager`` subclass its
+``[checkpoint]`` config names, holds every piece torchtitan hands stepvault: save, load,
+preemption and the data-parallel check share its configuration and state.)
 """
 
 from __future__ import annotations
