@@ -137,3 +137,29 @@ def task_ddp_resume(rank, world, root, out):
         mgr.save(state["step"], state)
         mgr.close()
     dist.barrier()
+
+
+def task_ddp_resume_wider(rank, world, root, out):
+    """DDP on more ranks than the FSDP2 job had: every rank reads step 2 alone. Each gets
+    the whole model and optimizer; a rank the checkpoint has no RNG state for keeps its
+    own RNG and is warned."""
+    import warnings
+
+    import stepvault
+
+    torch.manual_seed(1)
+    module = _model()
+    state = _state(module)
+    torch.manual_seed(50 + rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = stepvault.restore(root, state, run=RUN, step=2, collective=False)
+    assert info is not None and info.step == 2
+    torch.save(
+        {
+            "full": _full(module, state["optimizer"]),
+            "draw": torch.rand(4),
+            "warnings": [str(w.message) for w in caught if "RNG" in str(w.message)],
+        },
+        os.path.join(out, f"wider{rank}.pt"),
+    )

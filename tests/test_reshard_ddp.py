@@ -62,3 +62,24 @@ def test_fsdp2_checkpoint_resumes_on_every_ddp_rank_falling_back_together(tmp_pa
         assert torch.equal(got["draw"], torch.load(out / f"draw{rank}.pt")), rank
     vault = stepvault.open(root)
     assert 4 in vault.steps(workers.RUN) and not vault.manifest(workers.RUN, 4).sharded
+
+
+@pytest.mark.extended
+def test_fsdp2_checkpoint_of_2_ranks_on_4_ddp_ranks_says_what_each_rank_gets(tmp_path):
+    """2 FSDP ranks -> 4 DDP ranks: every rank restores the whole model and optimizer
+    bitwise; ranks 0 and 1 take the RNG state the same rank saved, ranks 2 and 3 (none in
+    the checkpoint) keep their own and are warned. (4 processes: ``extended``.)"""
+    root, out = tmp_path / "store", tmp_path / "out"
+    spawn_ranks(workers.run, 2, "fsdp_save", root, out)
+    spawn_ranks(workers.run, 4, "ddp_resume_wider", root, out)
+    saved = torch.load(out / "saved2.pt")
+    for rank in range(4):
+        got = torch.load(out / f"wider{rank}.pt")
+        differ = [k for k in saved if not torch.equal(saved[k], got["full"][k])]
+        assert not differ, (rank, differ)
+        if rank < 2:
+            assert torch.equal(got["draw"], torch.load(out / f"draw{rank}.pt")), rank
+            assert not got["warnings"], got["warnings"]
+        else:
+            assert not torch.equal(got["draw"], torch.load(out / "draw0.pt"))
+            assert any(f"no RNG state for rank {rank}" in w for w in got["warnings"]), got

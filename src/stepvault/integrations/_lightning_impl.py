@@ -789,8 +789,8 @@ class CheckpointMixin:
             data = store.read_manifest(self.run, steps[0])
             if not parse_manifest(data, f"{self.run}@{steps[0]}").sharded:
                 return None
-        except StepvaultError:
-            return None  # damaged, absent: the restore reports it
+        except (StepvaultError, ValueError):
+            return None  # damaged, absent, no metric for "best": the restore reports it
         import importlib  # Lightning's own parsing of configure_optimizers()
 
         core = importlib.import_module(f"{self._pl.__name__}.core.optimizer")

@@ -84,7 +84,7 @@ from .._rank import rank_and_world
 from .._version import __version__
 from ..api import RestoreInfo
 from ..api import open as stepvault_open
-from ..errors import StepvaultError
+from ..errors import StepvaultError, StoreNotFoundError
 from ..manager import CheckpointManager
 from ..policy import KeepPolicy, SavePolicy
 from ..state import RNGState
@@ -465,7 +465,12 @@ class StepvaultTrainerMixin(_TrainerBase):
         from ..core.planner import Source, share_choice
         from ..store import Store
 
-        store = Store.open(cb.root)
+        try:
+            store = Store.open(cb.root)
+        except StoreNotFoundError:
+            if reshard:  # nothing to reshard: the DDP resume says what is missing
+                return None
+            raise
         source = Source(
             store, cb.run, records=lambda: checkpoint_records(store, cb.run, protected=False)
         )
