@@ -256,6 +256,40 @@ def test_zero2_sigkill_resume_bitwise_against_deepspeed_and_straight(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
+def test_zero1_sigkill_damaged_shard_of_rank1_resumes_across_epoch_bitwise(tmp_path):
+    """ZeRO-1 (only the optimizer partitioned): the job killed (SIGKILL, every process)
+    after the checkpoint at 9 is committed; one object of rank 1's optimizer partition at 9
+    damaged; the rerun falls back to 6 on both ranks, crosses the epoch boundary at 8 and
+    ends bitwise equal to the uninterrupted job (weights and both Adam moments); the 2-rank
+    checkpoint exports as one safetensors file of the final weights."""
+    from sharded_jobs import damage_rank1_shard
+
+    common = ["--stage", "1", "--steps", "12", "--save-every", "3"]
+    straight = tmp_path / "straight.pt"
+    _run("--root", str(tmp_path / "s0"), *common, "--out", str(straight))
+
+    store = tmp_path / "store"
+    _run_and_kill("--root", str(store), *common, "--hold-after", "9")
+    assert stepvault.open(store).steps("ds") == [3, 6, 9]
+    damaged = damage_rank1_shard(store, "ds", 9)
+    assert "zero_pp_rank_1" in damaged, damaged
+    out = _run("--root", str(store), *common, "--out", str(tmp_path / "sv.pt"))
+    assert "RESUMED 6 skipped=1" in out, out[-3000:]
+    _same(tmp_path / "sv.pt", straight)
+    assert stepvault.ops.verify(store, deep=True).ok  # the damaged one was quarantined
+
+    from safetensors.torch import load_file
+
+    from stepvault.store import Store
+
+    stepvault.ops.export_weights(Store.open(store), "ds", 12, tmp_path / "w.safetensors")
+    exported, final = load_file(tmp_path / "w.safetensors"), torch.load(straight)
+    assert exported.keys() == {k for k in final if not k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert [k for k, t in exported.items() if not torch.equal(t, final[k])] == []
+
+
+@pytest.mark.slow
 def test_zero3_damaged_shard_of_rank1_falls_back_on_every_rank(tmp_path):
     common = ["--stage", "3", "--steps", "16", "--save-every", "4"]
     # the uninterrupted reference saves with DeepSpeed's own engine (saving changes no

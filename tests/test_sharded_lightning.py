@@ -220,8 +220,11 @@ def _damage_rank1_shard(root: Path, run: str, step: int) -> str:
 
 
 @pytest.mark.extended
-def test_lightning_fsdp1_without_device_mesh_killed_damaged_and_resumed_is_bitwise(tmp_path):
-    """Lightning's FSDPStrategy (FSDP1, FULL_SHARD) as most users build it: no
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_lightning_fsdp1_without_device_mesh_killed_damaged_and_resumed_is_bitwise(
+    tmp_path, sharding
+):
+    """Lightning's FSDPStrategy (FSDP1, FULL_SHARD or SHARD_GRAD_OP) as most users build it: no
     device_mesh (its state dicts would be ShardedTensors; the callback gives the wrapped
     model the 1-D world mesh, so they are DTensors). 2 CPU processes through Lightning's
     own launcher (the test-only CPU subclass in the worker). SIGKILL after a committed
@@ -229,10 +232,11 @@ def test_lightning_fsdp1_without_device_mesh_killed_damaged_and_resumed_is_bitwi
     rerun in new processes falls back on both ranks to the checkpoint before, crosses the
     epoch boundary (8 steps) and ends bitwise equal to the uninterrupted job (weights and
     AdamW moments). The old code refused this strategy at setup."""
-    ref = run_job(_job(tmp_path / "ref", "fsdp", "--no-mesh"), timeout=420)
+    mode = ("--no-mesh", "--sharding-strategy", sharding)
+    ref = run_job(_job(tmp_path / "ref", "fsdp", *mode), timeout=420)
     reference, reference_weights = final_digest(ref), _line(ref, "WEIGHTS")
     root = tmp_path / "b"
-    cmd = [*_job(root, "fsdp", "--no-mesh"), "--step-sleep", "0.15"]
+    cmd = [*_job(root, "fsdp", *mode), "--step-sleep", "0.15"]
     steps, status = kill_job_when_saved(cmd, root, "sharded", min_step=6, timeout=420)
     assert status == -signal.SIGKILL and steps[-1] < 12, (status, steps)
     assert len(steps) >= 2 and steps[-2] < 8, steps

@@ -180,6 +180,7 @@ def main() -> None:
     p.add_argument("--native", help="save with Lightning's own sharded checkpoints here")
     p.add_argument("--resume-native", help="resume from this Lightning checkpoint folder")
     p.add_argument("--no-mesh", action="store_true", help="fsdp: FSDPStrategy without device_mesh")
+    p.add_argument("--sharding-strategy", default="FULL_SHARD", help="fsdp: FSDP1's strategy")
     args = p.parse_args()
 
     pl.seed_everything(0, verbose=False)
@@ -190,6 +191,7 @@ def main() -> None:
     else:
         strategy = CPUFSDPStrategy(
             state_dict_type="sharded",
+            sharding_strategy=args.sharding_strategy,
             auto_wrap_policy={torch.nn.Linear},
             device_mesh=None if args.no_mesh else (args.devices,),
             timeout=timedelta(seconds=120),
