@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,8 +29,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "accelerate_fsdp2_state.py"
 
 
 def test_accelerate_fsdp2_save_restore_bitwise_and_restores_in_one_process(tmp_path):
-    native = tmp_path / "native"
-    out = run_job(torchrun(SCRIPT, str(tmp_path / "store"), str(native)))
+    native, imported = tmp_path / "native", tmp_path / "imported"
+    out = run_job(torchrun(SCRIPT, str(tmp_path / "store"), str(native), str(imported)))
     assert "RANK 0 OK" in out and "RANK 1 OK" in out
     weights = next(line.split()[1] for line in out.splitlines() if line.startswith("WEIGHTS"))
     manifest = stepvault.open(tmp_path / "store").manifest("fsdp2", 3)
@@ -56,21 +54,25 @@ def test_accelerate_fsdp2_save_restore_bitwise_and_restores_in_one_process(tmp_p
         fresh.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     assert h.digest() != fresh.digest()  # the trained weights, not an untouched module
 
-    # Accelerate's own FSDP folder of the same step (pytorch_model_fsdp_0, a DCP directory
-    # of the sharded weights) imports with the CLI and holds the same weights.
-    imported = tmp_path / "imported"
-    cli = [sys.executable, "-m", "stepvault.cli.main", "--root", str(imported), "import"]
-    done = subprocess.run(
-        [*cli, str(native / "pytorch_model_fsdp_0"), "--run", "acc", "--step", "3", "--trust"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "missing optimizer" in done.stdout
+    # Accelerate's own save_state folder of the same step (pytorch_model_fsdp_0/,
+    # optimizer_0/, scheduler.bin, random_states_<rank>.pkl), imported with the CLI by the
+    # job, is ONE checkpoint: weights, optimizer, scheduler and every rank's RNG. The job
+    # resumed from it through AcceleratorCheckpointer on both ranks: the step-3 shards,
+    # Adam moments, LR, accelerator.step and RNG, and the next 4 steps, bitwise equal to
+    # Accelerate's own load_state resume of the folder (which equals the uninterrupted run).
+    assert "IMPORT-RESUME 0 OK" in out and "IMPORT-RESUME 1 OK" in out, out
+    assert "missing" not in out.split("IMPORT ", 1)[1].split("IMPORT-RESUME")[0], out
+    ckpt = stepvault.open(imported).checkpoint("acc", 3)
+    kinds = ckpt.manifest.state_kinds
+    assert kinds["model"] == "module" and kinds["optimizer"] == "optimizer", kinds
+    assert {"scheduler", "rng", "accelerate_step"} <= set(kinds), kinds
+    # One process: the import restores model and AdamW (moments of every parameter).
     again = worker.build()
-    stepvault.restore(imported, {"model": again}, run="acc", step=3, strict=False)
+    opt = torch.optim.AdamW(again.parameters(), lr=0.01)
+    state = {"model": again, "optimizer": opt}
+    stepvault.restore(imported, state, run="acc", step=3, strict=False)
     assert worker.weights_digest(again) == weights
+    assert all({"exp_avg", "exp_avg_sq", "step"} <= set(opt.state[p]) for p in again.parameters())
 
 
 DS_SCRIPT = Path(__file__).parent / "scripts" / "accelerate_deepspeed_train.py"

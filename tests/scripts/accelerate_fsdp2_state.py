@@ -4,10 +4,15 @@ rank, trains on, restores and trains the same steps again: every rank must draw 
 numbers and end with the same shards, bitwise (its own RNG state and shards, not rank 0's).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 accelerate_fsdp2_state.py \
-        ROOT [NATIVE_DIR]
+        ROOT [NATIVE_DIR [IMPORTED_ROOT]]
 
 With NATIVE_DIR, ``accelerator.save_state(NATIVE_DIR)`` also writes Accelerate's own FSDP
-folders (``pytorch_model_fsdp_0/``, ``optimizer_0/``) of the step-3 state.
+folders (``pytorch_model_fsdp_0/``, ``optimizer_0/``) of the step-3 state. With
+IMPORTED_ROOT, rank 0 imports that folder with ``stepvault import`` (printing ``IMPORT``
+and the CLI's output) and, after the stepvault check, every rank resumes with
+Accelerate's own ``load_state`` of the folder and then through ``AcceleratorCheckpointer``
+from the import: both must give the step-3 state and the same next steps, bitwise
+(``IMPORT-RESUME <r> OK``).
 
 Prints ``RANK <r> OK`` on each rank.
 
@@ -21,6 +26,7 @@ package: on GPUs ``Accelerator(fsdp_plugin=...)`` is what users run.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import torch
@@ -63,7 +69,22 @@ def build() -> torch.nn.Module:
     )
 
 
-def main(root: str, native: str | None = None) -> None:
+def snapshot(acc: Accelerator, model: torch.nn.Module, opt, sched) -> list[torch.Tensor]:
+    """This rank's training state: its weight shards, its Adam moments and step counts in
+    parameter order, the LR, accelerator.step and its RNG's next CPU state."""
+    out = [p.to_local().detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        for _key, v in sorted(opt.optimizer.state[p].items()):
+            out.append((v.to_local() if isinstance(v, DTensor) else v).detach().clone())
+    lr = torch.tensor(sched.get_last_lr())
+    return [*out, lr, torch.tensor(acc.step), torch.get_rng_state()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def main(root: str, native: str | None = None, imported: str | None = None) -> None:
     torch.manual_seed(0)
     acc = cpu_fsdp2_accelerator()
     model = build()
@@ -96,8 +117,20 @@ def main(root: str, native: str | None = None) -> None:
     train(3)
     ckpt.save(3, force=True)
     ckpt.wait()
+    saved = snapshot(acc, model, opt, sched)
     if native:  # Accelerate's own FSDP save of the same state (for the import test)
         acc.save_state(native)
+        if imported and acc.is_main_process:  # the user's import of it, with the CLI
+            cli = [sys.executable, "-m", "stepvault.cli.main", "--root", imported, "import"]
+            done = subprocess.run(
+                [*cli, native, "--run", "acc", "--step", "3", "--trust"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert done.returncode == 0, done.stderr
+            print(f"IMPORT {done.stdout}", flush=True)
+        acc.wait_for_everyone()
     weights = weights_digest(model)  # collective: the full weights at step 3
     if acc.is_main_process:
         print(f"WEIGHTS {weights}", flush=True)
@@ -108,11 +141,27 @@ def main(root: str, native: str | None = None) -> None:
     got = train(4)
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), "not the same"
     ckpt.close()
+    if native and imported:
+        # Accelerate's own resume of its folder, then stepvault's resume of the import of
+        # that folder: the same state (shards, Adam moments, LR, accelerator.step, this
+        # rank's RNG) and the same next steps, bitwise.
+        acc.load_state(native)
+        assert same(snapshot(acc, model, opt, sched), saved), "Accelerate's own resume differs"
+        own = train(4)
+        assert same(own, expected), "Accelerate's own resume trains differently"
+        train(2)  # move away from the saved state
+        from_import = AcceleratorCheckpointer(acc, imported, run="acc", async_save=False)
+        info = from_import.restore()
+        assert info is not None and info.step == 3, info
+        assert same(snapshot(acc, model, opt, sched), saved), "the import's resume differs"
+        assert same(train(4), own), "the import's resume trains differently"
+        from_import.close()
+        print(f"IMPORT-RESUME {acc.process_index} OK", flush=True)
     print(f"RANK {acc.process_index} OK", flush=True)
     acc.wait_for_everyone()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    main(*sys.argv[1:4])
     sys.stdout.flush()
     os._exit(0)  # see tests/scripts/accelerate_ddp_state.py

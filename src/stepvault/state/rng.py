@@ -35,6 +35,7 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = _own_rank(state)
         py = state["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
         np.random.set_state(state["numpy"])
@@ -49,6 +50,30 @@ class RNGState:
             )
         for gen, gstate in zip(self.generators, saved):
             _set_gen_state(gen, gstate)
+
+
+def _own_rank(state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's entry when ``state`` holds every rank's under ``ranks`` (rank 0's state
+    at the top: what the Trainer integration writes and an import of per-rank RNG files
+    holds), so each rank of a resume continues its own draws; rank 0's when the process
+    group is larger than the saving one (a warning: its draws will differ)."""
+    ranks = state.get("ranks")
+    if not isinstance(ranks, list) or not ranks:
+        return state
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank < len(ranks):
+        return dict(ranks[rank])
+    import warnings
+
+    warnings.warn(
+        f"stepvault: the RNG state was saved by {len(ranks)} process(es); rank {rank} has "
+        "none of its own and continues from rank 0's",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return state
 
 
 def _gen_state(gen: Any) -> Any:

@@ -150,36 +150,58 @@ class DcpImporter(Importer):
     elsewhere = "a torch.distributed.checkpoint directory; use `stepvault import-dcp`"
 
     def detect(self, path: str) -> bool:
-        return os.path.isdir(path) and ".metadata" in os.listdir(path)
+        from .fsdp import is_fsdp_folder
+        from .hf import is_hf_checkpoint
+
+        if not os.path.isdir(path):
+            return False
+        # An Accelerate FSDP save_state folder; a Trainer's FSDP checkpoint-N is the HF one's
+        fsdp = is_fsdp_folder(path) and not is_hf_checkpoint(path)
+        return ".metadata" in os.listdir(path) or fsdp
 
     def read(self, path: str, *, trust: bool = False) -> ImportedState:
-        """Load the whole DCP checkpoint into memory in this process (no process group)."""
-        if not trust:
-            raise UntrustedInputError(
-                f"{path}: a torch.distributed.checkpoint directory stores its metadata (and "
-                "any non-tensor values) as pickles, which can execute code when loaded. Import "
-                "only checkpoints you made or trust, and then pass trust=True (CLI: --trust)"
-            )
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise StepvaultError(f"{path}: not a DCP checkpoint directory (no .metadata file)")
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+        """Load the whole DCP checkpoint into memory in this process (no process group).
 
-        state: dict[str, Any] = {}
-        _load_state_dict(
-            state,
-            storage_reader=FileSystemReader(path),
-            planner=_EmptyStateDictLoadPlanner(),
-            no_dist=True,
-        )
-        if not state:
-            raise StepvaultError(f"{path}: the DCP checkpoint holds no entries; nothing to import")
+        An Accelerate ``save_state`` folder of an FSDP job (``pytorch_model_fsdp_0/``,
+        ``optimizer_0/``... beside its pickles) is read as one checkpoint
+        (:func:`.fsdp.read_accelerate_folder`): it records no step either."""
+        from .fsdp import read_accelerate_folder
+
+        if self.detect(path) and not os.path.isfile(os.path.join(path, ".metadata")):
+            return read_accelerate_folder(path, trust=trust)
+        state = load_dcp(path, trust=trust)
         imported = ImportedState("dcp", os.path.abspath(path), state, {}, files=[".metadata"])
         optimizers_by_index(imported)
         imported.kinds = {k: kind_for(v) for k, v in imported.tree.items()}
         note_missing_optimizer(imported)
         return imported
+
+
+def load_dcp(path: str, *, trust: bool) -> dict[str, Any]:
+    """Every entry of the DCP directory ``path``, whole (resharded to one process, no process
+    group). Refused without ``trust``: DCP's metadata is a pickle."""
+    if not trust:
+        raise UntrustedInputError(
+            f"{path}: a torch.distributed.checkpoint directory stores its metadata (and "
+            "any non-tensor values) as pickles, which can execute code when loaded. Import "
+            "only checkpoints you made or trust, and then pass trust=True (CLI: --trust)"
+        )
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise StepvaultError(f"{path}: not a DCP checkpoint directory (no .metadata file)")
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=FileSystemReader(path),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    if not state:
+        raise StepvaultError(f"{path}: the DCP checkpoint holds no entries; nothing to import")
+    return state
 
 
 def note_missing_optimizer(imported: ImportedState) -> None:

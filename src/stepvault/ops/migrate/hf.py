@@ -22,6 +22,7 @@ import torch
 
 from ...errors import StepvaultError
 from .base import ImportedState, Importer, is_flat_state_dict, kind_for, plain, read_json, step_from
+from .fsdp import is_fsdp_folder, read_fsdp_parts
 from .pickles import load_pickle
 from .safetensors_file import load_safetensors
 
@@ -137,8 +138,8 @@ def _hf_weights(folder: str, files: list[str], trust: bool) -> tuple[str, dict[s
     raise StepvaultError(
         f"{folder}: no model weights found (expected one of {', '.join(HF_WEIGHTS)})"
         + (
-            "; FSDP/DeepSpeed folders are not supported: consolidate them first"
-            if any(n.startswith(("pytorch_model_fsdp", "global_step")) for n in names)
+            "; a DeepSpeed folder imports on its own: point at global_stepN"
+            if any(n.startswith("global_step") for n in names)
             else ""
         )
     )
@@ -187,9 +188,15 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
         )
     imported = ImportedState("hf", os.path.abspath(folder), {}, {})
     tree, files = imported.tree, imported.files
-    entry, tree[entry] = _hf_weights(folder, files, trust)
-    weights_from = files[0]
     names = sorted(os.listdir(folder))
+    if is_fsdp_folder(folder) and not set(names) & set(HF_WEIGHTS):
+        # The Trainer in FSDP SHARDED_STATE_DICT mode: the model and optimizer are DCP
+        # folders (pytorch_model_fsdp_0/, optimizer_0/), consolidated here (see .fsdp)
+        read_fsdp_parts(folder, imported, trust=trust)
+        weights_from = "pytorch_model_fsdp_0/"
+    else:
+        entry, tree[entry] = _hf_weights(folder, files, trust)
+        weights_from = files[0]
     for fname, key in (
         ("optimizer.pt", "optimizer"),
         ("scheduler.pt", "scheduler"),
@@ -239,7 +246,7 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
                 )
             )
     for fname in names:
-        if fname not in files and not any(fname == f for f, _ in imported.skipped):
+        if fname not in files and fname + "/" not in files and fname not in dict(imported.skipped):
             imported.skipped.append((fname, _why_skipped(fname, weights_from)))
     imported.kinds = {k: kind_for(v) for k, v in tree.items()}
     # Step: trainer_state's global_step, else the folder name (checkpoint-N).
