@@ -226,6 +226,8 @@ def damage_rank1_shard(root: str | Path, run: str, step: int) -> str:
     deepspeed = [(fqn, e) for fqn, e in tensors if "zero_pp_rank_1" in fqn]
     for fqn, entry in deepspeed or tensors:
         for shard in entry["shards"]:
+            if not shard["chunks"]:
+                continue  # an empty tensor (ZeRO-3 keeps some): no object to damage
             only_here = shard["chunks"][0][0] not in older  # a fallback must find it whole
             if only_here and (deepspeed or any(shard["offsets"])):
                 flip_byte(object_path(root, shard["chunks"][0][0]))

@@ -5,10 +5,10 @@ checkpoint is damaged; the job run again in new processes falls back to the chec
 before on every rank, crosses an epoch boundary and ends bitwise equal to an uninterrupted
 run (weights, both AdamW moments, and what the job's output holds besides).
 
-Accelerate with FSDP2 (torchrun) and Lightning's DeepSpeedStrategy (Lightning's launcher):
-the two modes whose tests in test_sharded_accelerate.py / test_sharded_lightning.py have no
-SIGKILL (and, for Accelerate FSDP2, no damaged shard or epoch boundary). ``extended``:
-outside CI's 30 minutes (``-m extended``).
+Accelerate with FSDP2 (torchrun) and Lightning's DeepSpeedStrategy, ZeRO-2 and ZeRO-3
+(Lightning's launcher): the modes whose tests in test_sharded_accelerate.py /
+test_sharded_lightning.py have no SIGKILL (and, for Accelerate FSDP2, no damaged shard or
+epoch boundary). ``extended``: outside CI's 30 minutes (``-m extended``).
 """
 
 from __future__ import annotations
@@ -61,19 +61,22 @@ def test_accelerate_fsdp2_killed_damaged_and_resumed_is_bitwise(tmp_path):
     assert stepvault.ops.verify(root, deep=True).ok  # the damaged one was quarantined
 
 
-def test_lightning_deepspeed_killed_damaged_and_resumed_is_bitwise(tmp_path):
-    """Lightning's DeepSpeedStrategy (ZeRO-2; the worker's test-only CPU subclass) with
-    StepvaultCheckpoint, SIGKILLed after a committed checkpoint (the preemption of the same
-    job is test_sharded_lightning.py's)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lightning_deepspeed_killed_damaged_and_resumed_is_bitwise(tmp_path, stage):
+    """Lightning's DeepSpeedStrategy (ZeRO-2 and ZeRO-3; the worker's test-only CPU
+    subclass) with StepvaultCheckpoint, SIGKILLed after a committed checkpoint (the
+    preemption of the ZeRO-2 job is test_sharded_lightning.py's). The 2-rank checkpoint then
+    exports as one safetensors file holding the job's final fp32 weights, bitwise."""
     pytest.importorskip("lightning.pytorch")
     pytest.importorskip("deepspeed")
     script = SCRIPTS / "lightning_deepspeed_train.py"
 
     def job(root: Path, *extra: str) -> list[str]:
-        return [sys.executable, str(script), "--root", str(root), "--run", "ds",
-                "--max-steps", "12", "--save-every", "3", *extra]  # fmt: skip
+        return [sys.executable, str(script), "--root", str(root), "--run", "ds", "--stage",
+                str(stage), "--max-steps", "12", "--save-every", "3", *extra]  # fmt: skip
 
-    reference = final_digest(run_job(job(tmp_path / "ref"), timeout=400))
+    ref_weights = tmp_path / "ref.pt"
+    reference = final_digest(run_job(job(tmp_path / "ref", "--out", str(ref_weights)), timeout=400))
     root = tmp_path / "store"
     steps, status = kill_job_when_saved(job(root, "--step-sleep", "0.15"), root, "ds", min_step=6)
     assert status == -signal.SIGKILL and steps[-1] < 12, (status, steps)
@@ -84,3 +87,13 @@ def test_lightning_deepspeed_killed_damaged_and_resumed_is_bitwise(tmp_path):
     assert final_digest(out) == reference
     assert stepvault.ops.verify(root, deep=True).ok  # the damaged one was quarantined
     assert stepvault.open(root).manifest("ds", 12).sharded
+
+    # the export: the ranks' partitions joined one tensor at a time, the job's weights
+    from safetensors.torch import load_file
+
+    from stepvault.store import Store
+
+    stepvault.ops.export_weights(Store.open(root), "ds", 12, tmp_path / "w.safetensors")
+    exported, want = load_file(tmp_path / "w.safetensors"), torch.load(ref_weights)
+    assert exported.keys() == want.keys(), (sorted(exported), sorted(want))
+    assert [k for k in want if not torch.equal(exported[k], want[k])] == []

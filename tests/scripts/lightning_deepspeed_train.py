@@ -8,7 +8,8 @@ Rank 0 prints ``RESUMED <step>`` / ``FRESH`` and ``FINAL <digest>``: a hash of t
 weights and both AdamW moments of every parameter (gathered from the ZeRO partitions), so
 a test compares interrupted and uninterrupted jobs. ``--native DIR`` saves with Lightning's
 own DeepSpeed checkpoints instead (a ``ModelCheckpoint`` every ``--save-every`` steps;
-``--resume-native PATH`` resumes from one of its folders).
+``--resume-native PATH`` resumes from one of its folders). ``--out PATH``: rank 0 also writes
+the full fp32 weights by parameter name there (``torch.save``), for an export to compare.
 
 TEST-ONLY PATCH: ``CPUDeepSpeedStrategy`` below. Lightning accepts DeepSpeedStrategy only with
 a CUDA accelerator; DeepSpeed itself runs on CPU (``DS_ACCELERATOR=cpu``, gloo). Nothing of
@@ -97,6 +98,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--native", help="save with Lightning's own DeepSpeed checkpoints here")
     p.add_argument("--resume-native", help="resume from this Lightning checkpoint folder")
+    p.add_argument("--out", help="rank 0 writes the full fp32 weights here (torch.save)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -142,6 +144,13 @@ def main() -> None:
     resume = args.resume_native if args.native or args.resume_native else ckpt.resume_path
     trainer.fit(model, datamodule=Data(), ckpt_path=resume)
     final = digest(trainer.strategy.model)
+    # the full fp32 weights by name (gathering them is a collective call: every rank)
+    weights = {
+        name: safe_get_full_fp32_param(param).detach().clone()
+        for name, param in trainer.strategy.model.module.named_parameters()
+    }
+    if trainer.is_global_zero and args.out:
+        torch.save(weights, args.out)
     if trainer.is_global_zero:
         restored = ckpt.last_restore if ckpt is not None else None
         print(f"RESUMED {restored.step}" if restored else "FRESH", flush=True)
