@@ -143,10 +143,11 @@ def test_fsdp1_in_one_process_is_refused_naming_torchrun(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.extended
+@pytest.mark.parametrize("shard", ["zero2", "zero1"])  # the same files; ZeRO-1 by hand before
 def test_deepspeed_zero2_sigkill_damaged_shard_resume_bitwise_and_from_pretrained_export(
-    tmp_path,
+    tmp_path, shard
 ):
-    common = ["--shard", "zero2", "--max-steps", "12", "--save-every", "4"]
+    common = ["--shard", shard, "--max-steps", "12", "--save-every", "4"]
     straight = tmp_path / "straight.pt"
     _run(*common, "--root", str(tmp_path / "s0"), "--final", str(straight))
 

@@ -5,7 +5,7 @@ tests/test_sharded_transformers.py: launch with ``python -m torch.distributed.ru
 
 A tiny GPT-2 (built here, no download; dropout on, so every rank's RNG matters) trained
 by the Trainer itself on 40 token rows, 4 per device: 5 optimizer steps an epoch on 2
-ranks, so a run of 12 steps crosses two epoch boundaries. ``--shard zero2|zero3``:
+ranks, so a run of 12 steps crosses two epoch boundaries. ``--shard zero1|zero2|zero3``:
 DeepSpeed ZeRO through ``TrainingArguments(deepspeed=...)``; ``--shard fsdp2``: FSDP2
 through ``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``; ``--shard fsdp1``: FSDP1
 (flat parameters) through ``fsdp="full_shard"``, ``fsdp_config={"version": 1}``.
@@ -221,7 +221,7 @@ def _fsdp1_refused(root: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--shard", choices=["zero2", "zero3", "fsdp2", "fsdp1"], required=True)
+    p.add_argument("--shard", choices=["zero1", "zero2", "zero3", "fsdp2", "fsdp1"], required=True)
     p.add_argument("--backend", choices=["stepvault", "native"], default="stepvault")
     p.add_argument("--root", required=True, help="the store (stepvault) or output_dir")
     p.add_argument("--max-steps", type=int, default=12)
