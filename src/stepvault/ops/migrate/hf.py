@@ -12,6 +12,7 @@ listed in :attr:`ImportedState.missing`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -22,6 +23,7 @@ import torch
 
 from ...errors import StepvaultError
 from .base import ImportedState, Importer, is_flat_state_dict, kind_for, plain, read_json, step_from
+from .dcp import optimizers_by_index
 from .fsdp import is_fsdp_folder, read_fsdp_parts
 from .pickles import load_pickle
 from .safetensors_file import load_safetensors
@@ -146,7 +148,8 @@ def _hf_weights(folder: str, files: list[str], trust: bool) -> tuple[str, dict[s
 
 
 def _why_skipped(fname: str, weights_from: str) -> str:
-    if fname in HF_WEIGHTS or re.fullmatch(r"(model|pytorch_model)-\d+-of-\d+\.\w+", fname):
+    same = re.fullmatch(r"(model|pytorch_model)-\d+-of-\d+\.\w+|pytorch_model_fsdp\.bin", fname)
+    if fname in HF_WEIGHTS or same:
         return f"the same weights in another layout ({weights_from} was imported)"
     return "not training state (config, tokenizer or other)"
 
@@ -199,12 +202,16 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
         weights_from = files[0]
     for fname, key in (
         ("optimizer.pt", "optimizer"),
+        # the Trainer under FSDP with FULL_STATE_DICT: get_optimizer_state_dict's full
+        # state, keyed by parameter names (renumbered below)
+        ("optimizer.bin", "optimizer"),
         ("scheduler.pt", "scheduler"),
         ("scaler.pt", "scaler"),
     ):
-        if fname in names:
+        if fname in names and key not in tree:
             tree[key] = plain(load_pickle(os.path.join(folder, fname), trust=trust))
             files.append(fname)
+    optimizers_by_index(imported)
     rng_files = sorted(
         (n for n in names if re.fullmatch(r"rng_state(_\d+)?\.pth", n)),
         key=lambda n: int(re.sub(r"\D", "", n) or 0),
@@ -223,6 +230,10 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
         trainer_state = read_json(os.path.join(folder, "trainer_state.json"))
         tree["trainer_state"] = trainer_state
         files.append("trainer_state.json")
+        if is_fsdp_folder(folder) or "pytorch_model_fsdp.bin" in names:
+            # An FSDP job resumes through StepvaultTrainer's sharded path, which places the
+            # data by the TrainerState it reads from the manifest alone (as DeepSpeed's)
+            imported.metadata["trainer_state"] = json.dumps(trainer_state)
     for fname, key in _HF_METADATA_JSON.items():
         if fname in names:
             imported.metadata[key] = read_json(os.path.join(folder, fname))
