@@ -3,7 +3,7 @@ global_stepN").
 
 Fast: DeepSpeed's checkpoint trees (int-keyed optimizer state, the loss scaler, fragment
 addresses, ZeroStageEnum) survive stepvault's pickle-free encoding exactly; the importer
-refuses DeepSpeed's pickles without trust. Slow: real 2-rank ZeRO jobs under torchrun
+refuses DeepSpeed's pickles without trust. Slow: real 2-rank ZeRO-1/2/3 jobs under torchrun
 (gloo, CPU) saving through :class:`DeepSpeedCheckpointer`, SIGKILLed after a committed
 checkpoint and resumed in new processes, bitwise against an uninterrupted run and against
 DeepSpeed's own save/load of the same job; a damaged shard of rank 1 makes every rank fall
