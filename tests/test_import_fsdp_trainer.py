@@ -1,13 +1,16 @@
 """Import of the HF Trainer's FSDP2 ``checkpoint-N`` folder as ONE resumable checkpoint.
 
 A real 2-process Trainer job (torchrun, gloo on CPU, FSDP2 through the test-only patch of
-``scripts/transformers_sharded_train.py``) checkpoints with the Trainer's own save
-(``model.safetensors``, ``pytorch_model_fsdp.bin``, ``optimizer.bin`` keyed by parameter
-names, ``scheduler.pt``, ``rng_state_<rank>.pth``, ``trainer_state.json``). The folder is
-imported with the CLI; ``StepvaultTrainer`` resumes from the import on 2 FSDP2 ranks and
-ends bitwise where the Trainer's own resume of the same folder ends (weights, both Adam
-moments). Before, the import left ``optimizer.bin`` out (the resume started the optimizer
-fresh) and the sharded resume found no TrainerState to place the data by.
+``scripts/transformers_sharded_train.py``) checkpoints with the Trainer's own save: with
+``FULL_STATE_DICT``, ``model.safetensors``, ``pytorch_model_fsdp.bin`` and ``optimizer.bin``
+(keyed by parameter names); with ``SHARDED_STATE_DICT``, the DCP folders
+``pytorch_model_fsdp_0/`` and ``optimizer_0/``; then ``scheduler.pt``,
+``rng_state_<rank>.pth``, ``trainer_state.json``. The folder is imported with the CLI;
+``StepvaultTrainer`` resumes from the import on 2 FSDP2 ranks and ends bitwise where the
+Trainer's own resume of the same folder ends (weights, both Adam moments, LR, every rank's
+RNG draw). Before, the import left ``optimizer.bin`` out (the resume started the optimizer
+fresh), refused the sharded folder, and the sharded resume found no TrainerState to place
+the data by.
 """
 
 from __future__ import annotations
@@ -51,12 +54,19 @@ def _run(*args: str, timeout: float = 400) -> str:
     return done.stdout
 
 
-def test_trainer_fsdp2_checkpoint_import_resumes_bitwise_like_the_trainers_own(tmp_path):
-    common = ["--shard", "fsdp2", "--save-every", "4"]
+@pytest.mark.parametrize(
+    ("state_dict_type", "optimizer_file"),
+    [("FULL_STATE_DICT", "optimizer.bin"), ("SHARDED_STATE_DICT", "optimizer_0")],
+)
+def test_trainer_fsdp2_checkpoint_import_resumes_bitwise_like_the_trainers_own(
+    tmp_path, state_dict_type, optimizer_file
+):
+    common = ["--shard", "fsdp2", "--save-every", "4", "--state-dict-type", state_dict_type]
     native = tmp_path / "native"
     _run(*common, "--backend", "native", "--root", str(native), "--max-steps", "4")
     folder = native / "checkpoint-4"
-    assert {"optimizer.bin", "rng_state_1.pth", "trainer_state.json"} <= set(os.listdir(folder))
+    files = set(os.listdir(folder))
+    assert {optimizer_file, "rng_state_1.pth", "trainer_state.json"} <= files, files
     theirs = tmp_path / "theirs"  # the Trainer's own resume writes checkpoint-8 beside it
     shutil.copytree(native, theirs)
 

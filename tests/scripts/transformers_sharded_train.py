@@ -225,6 +225,7 @@ def main() -> int:
     p.add_argument("--backend", choices=["stepvault", "native"], default="stepvault")
     p.add_argument("--root", required=True, help="the store (stepvault) or output_dir")
     p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--state-dict-type", default="FULL_STATE_DICT", help="FSDP2, native saves")
     p.add_argument("--save-every", type=int, default=4)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--hold-after", type=int, default=0)
@@ -272,6 +273,8 @@ def main() -> int:
         _cpu_fsdp2()
         options["fsdp"] = True
         options["fsdp_config"] = {"version": 2, "reshard_after_forward": True}
+        if args.state_dict_type != "FULL_STATE_DICT":  # the Trainer's own save's layout
+            options["fsdp_config"]["state_dict_type"] = args.state_dict_type
     else:  # FSDP1, flat parameters (use_orig_params=False), each GPT-2 block wrapped
         _cpu_fsdp2()
         options["fsdp"] = "full_shard"
