@@ -18,7 +18,11 @@ Supported inputs (``format=`` forces one, otherwise it is detected):
     One ``.safetensors`` file (the weights of a model).
 ``dcp``
     A ``torch.distributed.checkpoint`` directory, through :func:`import_dcp` (``stepvault
-    import-dcp``) only: its metadata is a pickle, so it needs ``trust=True`` up front.
+    import-dcp``) only: its metadata is a pickle, so it needs ``trust=True`` up front. An
+    Accelerate FSDP ``save_state`` folder (``pytorch_model_fsdp_0/``, ``optimizer_0/``,
+    ``scheduler.bin``, ``random_states_<rank>.pkl``) goes the same way and becomes one
+    checkpoint in ``AcceleratorCheckpointer``'s layout (:mod:`.fsdp`); a Trainer FSDP
+    ``checkpoint-N`` is an ``hf`` folder whose model and optimizer are read likewise.
 
 Each format is one module here with one :class:`Importer` (``detect(path)``, ``read(path)``
 → :class:`ImportedState`, the tensors and values in memory); :data:`IMPORTERS` lists them
