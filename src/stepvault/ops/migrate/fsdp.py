@@ -147,7 +147,14 @@ def read_accelerate_folder(folder: str, *, trust: bool = False) -> ImportedState
         tree["rng"] = {**states[0], "ranks": states} if len(states) > 1 else states[0]
     for fname in names:
         if fname not in files and fname + "/" not in files:
-            imported.skipped.append((fname, "not part of Accelerate's FSDP training state"))
+            imported.skipped.append(
+                (
+                    fname,
+                    "not read by the import (it takes the models, optimizers, schedulers, "
+                    "scaler, custom objects and RNG); a sampler or data loader state resumes "
+                    "fresh",
+                )
+            )
     imported.kinds = {k: kind_for(v) for k, v in tree.items()}
     for key, what in (
         ("optimizer", "optimizer_0/"),
