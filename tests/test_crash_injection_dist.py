@@ -48,7 +48,11 @@ def reference(tmp_path_factory):
     return final_digest(_run(tmp_path_factory.mktemp("ref") / "store"))
 
 
-@pytest.mark.parametrize("seed", range(2000, 2004))
+# Two seeds in CI's slow run, two more with -m extended (CI's 30 minutes on 2 cores).
+@pytest.mark.parametrize(
+    "seed",
+    [2000, 2001, *(pytest.param(s, marks=pytest.mark.extended) for s in (2002, 2003))],
+)
 def test_multi_rank_job_killed_at_random_instants(tmp_path, reference, seed):
     rng = random.Random(seed)
     root, pids = tmp_path / "store", tmp_path / "pids"

@@ -233,12 +233,14 @@ def _skip_without_packages_of(setup: str) -> None:
 @pytest.mark.parametrize(
     "setup",
     [
-        "plain_stateful",
+        # the stateful loaders' fresh-process runs are -m extended (CI's 30 minutes); their
+        # epoch-boundary resume below stays in CI
+        pytest.param("plain_stateful", marks=pytest.mark.extended),
         "plain_dataloader",
-        "lightning_stateful",
+        pytest.param("lightning_stateful", marks=pytest.mark.extended),
         "lightning_dataloader",
         "transformers_dataloader",
-        "accelerate_stateful",
+        pytest.param("accelerate_stateful", marks=pytest.mark.extended),
         "accelerate_dataloader",
     ],
 )

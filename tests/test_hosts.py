@@ -91,7 +91,15 @@ def test_latency_between_hosts_comes_from_the_delay_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["kill_save", "partition", "kill_restore"])
+@pytest.mark.parametrize(
+    "scenario",
+    # CI's slow run keeps one host kill (with the stale writer below); the partition and the
+    # kill during a restore run with -m extended and in scripts/campaign_hosts.py
+    [
+        "kill_save",
+        *(pytest.param(s, marks=pytest.mark.extended) for s in ("partition", "kill_restore")),
+    ],
+)
 def test_job_across_hosts_survives(tmp_path, scenario):
     """Two hosts, one rank each, replicated mem tier: a host killed (processes and memory)
     mid-save/replication or mid-restore, or its link cut for 0.5-4 s, and the job still
