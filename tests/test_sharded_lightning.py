@@ -60,7 +60,10 @@ def _line(out: str, tag: str) -> str:
     return next(line.split()[1] for line in out.splitlines() if line.startswith(tag))
 
 
-@pytest.mark.parametrize("strategy", ["model_parallel", "fsdp"])
+# FSDPStrategy with a mesh runs with -m extended (CI's 30 minutes): CI keeps ModelParallel
+@pytest.mark.parametrize(
+    "strategy", ["model_parallel", pytest.param("fsdp", marks=pytest.mark.extended)]
+)
 def test_sharded_lightning_preempted_killed_damaged_and_resumed_is_bitwise(tmp_path, strategy):
     ref = run_job(_job(tmp_path / "ref", strategy))
     reference, reference_weights = final_digest(ref), _line(ref, "WEIGHTS")
