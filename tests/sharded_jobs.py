@@ -90,12 +90,16 @@ def _cmdline(pid: int) -> list[str]:
 
 def rank_processes(pid: int, script: str | Path) -> list[int]:
     """The processes of the job started as ``pid`` that run ``script`` itself: torchrun's
-    workers, or Lightning's launcher process and the ranks it started (not torchrun)."""
+    workers, or Lightning's launcher process and the ranks it started (not torchrun nor
+    ``accelerate launch``, whose command lines name the script after the launcher's)."""
     script = str(script)
     found = []
     for p in [pid, *_descendants(pid)]:
         args = _cmdline(p)
-        if script in args and "torch.distributed.run" not in args:
+        if script not in args:
+            continue
+        before = set(args[: args.index(script)])  # the interpreter's and a launcher's own
+        if not before & {"torch.distributed.run", "launch"}:  # torchrun, `accelerate launch`
             found.append(p)
     return found
 

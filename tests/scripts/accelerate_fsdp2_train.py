@@ -4,6 +4,9 @@ tests/test_sharded_preemption.py and tests/test_sharded_reshard.py:
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
         accelerate_fsdp2_train.py --root DIR [--steps 20] [--save-every 4] [--out FILE]
 
+or ``accelerate launch --config_file FSDP2_CONFIG accelerate_fsdp2_train.py ...``
+(tests/test_accelerate_launch.py; rank 0 then prints ``LAUNCH-CONFIG fsdp_version=<v>``).
+
 ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))`` prepares a small
 MLP with dropout (every rank's RNG matters), torch AdamW and a StepLR scheduler; data is
 drawn by step from a per-epoch permutation (8 batches an epoch, so runs cross epoch
@@ -62,6 +65,9 @@ def main() -> int:
     args = p.parse_args()
 
     torch.set_num_threads(1)
+    # Set by `accelerate launch` from an FSDP config (tests/test_accelerate_launch.py); read
+    # before the Accelerator is built, as it sets ACCELERATE_USE_FSDP itself.
+    launch_fsdp = os.environ.get("FSDP_VERSION", "")
     if args.plain:
         acc = Accelerator(cpu=True)
         rank = 0
@@ -96,6 +102,8 @@ def main() -> int:
     info = ckpt.restore()
     step = 0 if info is None else info.step
     if rank == 0:
+        if launch_fsdp:
+            print(f"LAUNCH-CONFIG fsdp_version={launch_fsdp}", flush=True)
         print(
             "FRESH"
             if info is None
