@@ -73,6 +73,7 @@ from ..core.planner import Source, share_choice
 from ..errors import ResumeGapWarning, StepvaultError
 from ..format import decode_value
 from ..manager import CheckpointManager, SaveHandle
+from ..manager.restoring import record_restored
 from ..ops.migrate.deepspeed import (
     MODEL_STATES,
     OPTIM_STATES,
@@ -342,20 +343,8 @@ class DeepSpeedCheckpointer:
             time.perf_counter() - t0,
         )
         self.client_state = dict(_client or {})
-        info = self.last_restore
-        session.stats.restored(True, len(info.skipped))
-        if session.metrics:
-            session.metrics.restored(True, len(info.skipped))
-        for k in info.skipped:
-            session.forget(k.step)
-        session.event(
-            "restore",
-            step=info.step,
-            requested=str(step),
-            skipped=[{"step": k.step, "reason": k.reason} for k in info.skipped],
-            seconds=time.perf_counter() - t0,
-        )
-        return info
+        record_restored(session, self.last_restore, step, t0)
+        return self.last_restore
 
     def _needed(self, name: str) -> bool:
         """Whether DeepSpeed's load on this rank reads file ``name``."""

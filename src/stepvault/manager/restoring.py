@@ -122,17 +122,11 @@ class ManagerRestorer:
         served = dict(getattr(s.view, "served", {}))
         info.tier_bytes = served
         info.tier = max(served, key=lambda t: served[t]) if served else "hot"
-        s.stats.restored(True, len(info.skipped))
-        if s.metrics:
-            s.metrics.restored(True, len(info.skipped))
-        for k in info.skipped:
-            s.forget(k.step)
-        s.event(
-            "restore",
-            step=info.step,
-            requested=str(step),
-            skipped=[{"step": k.step, "reason": k.reason} for k in info.skipped],
-            seconds=time.perf_counter() - t0,
+        record_restored(
+            s,
+            info,
+            step,
+            t0,
             bytes_read=info.bytes_read,
             tier=info.tier,
             tier_bytes=info.tier_bytes,
@@ -158,6 +152,26 @@ class ManagerRestorer:
             rank_tiers=list(getattr(self.memory, "last_tiers", [])),
         )
         return info
+
+
+def record_restored(
+    session: RunSession, info: RestoreInfo, step: Any, t0: float, **fields: Any
+) -> None:
+    """What every resume records once it has loaded ``info``: stats, metrics, the skipped
+    steps forgotten, and the run's ``restore`` event (``fields`` added to it)."""
+    session.stats.restored(True, len(info.skipped))
+    if session.metrics:
+        session.metrics.restored(True, len(info.skipped))
+    for k in info.skipped:
+        session.forget(k.step)
+    session.event(
+        "restore",
+        step=info.step,
+        requested=str(step),
+        skipped=[{"step": k.step, "reason": k.reason} for k in info.skipped],
+        seconds=time.perf_counter() - t0,
+        **fields,
+    )
 
 
 def _skipped_json(k: Any) -> dict[str, Any]:
