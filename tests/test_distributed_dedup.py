@@ -46,6 +46,9 @@ def test_second_collective_save_of_a_fine_tune_writes_no_chunk_of_its_frozen_ten
     trained_bytes = sum(second.objects[d].size for d in _chunks(second, trained))
     assert sum(second.objects[d].size for d in new) <= trained_bytes
     assert 0 < second.stats["new_bytes"] <= trained_bytes
+    # The save's own count is exact: each new object once, over both ranks.
+    assert second.stats["new_objects"] == len(new)
+    assert second.stats["new_bytes"] == sum(second.objects[d].size for d in new)
     # The writer before this change (run "old", one bundle per rank) shares nothing.
     old = vault.manifest("old", 2)
     assert _chunks(old, frozen) & _chunks(old, trained)
@@ -86,6 +89,10 @@ def test_collective_writer_gives_each_tensor_its_own_chunk_and_bundles_only_scal
     new = set(second.objects) - set(first.objects)
     assert new == _chunks(second, ("trained.", "steps."))
     assert len(_chunks(second, ("steps.",))) == 1  # the scalars: one bundle
+    # The save counts what it stored new (it said 0 objects before).
+    assert second.stats["new_objects"] == len(new) == 2
+    assert second.stats["new_bytes"] == sum(second.objects[d].size for d in new)
+    assert first.stats["new_objects"] == len(first.objects)
     loaded = vault.checkpoint("r@2").load()
     assert torch.equal(loaded["trained"]["w"], state["trained"]["w"])
     assert torch.equal(loaded["frozen"]["ln"], state["frozen"]["ln"])

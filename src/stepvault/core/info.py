@@ -35,7 +35,7 @@ class SaveInfo:
 
     @classmethod
     def of_manifest(cls, m: Manifest, seconds: float, kind: str | None = None) -> SaveInfo:
-        """The info of a save that committed ``m`` (a multi-rank save: new objects unknown)."""
+        """The info of a save that committed ``m`` (a collective save: its manifest's counts)."""
         return cls(
             m.run,
             m.step,

@@ -163,7 +163,9 @@ class StepvaultWriter(StorageWriter):
                     "sizes": entry.shape,
                     "chunks": [list(c) for c in entry.chunks],
                     "objects": {d: objects[d].to_json() for d in used},
-                    "new_bytes": stats.new_bytes if key == next(iter(arrays), None) else 0,
+                    # the objects this rank stored new: the coordinator counts each
+                    # digest once over all ranks (equal shards of two ranks, one object)
+                    "new": sorted(used & stats.new_digests),
                 }
                 size = entry.nbytes
             results.append(WriteResult(index=index, size_in_bytes=size, storage_data=info))
@@ -179,7 +181,7 @@ class StepvaultWriter(StorageWriter):
                 stored[_key(r.index.fqn, r.index.offset)] = r.storage_data
         entries: dict[str, Any] = {}
         objects: dict[str, ObjectEntry] = {}
-        new_bytes = 0
+        new: set[str] = set()
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
                 entries[fqn] = {"type": "value", "value": stored[_key(fqn, None)]["value"]}
@@ -189,7 +191,7 @@ class StepvaultWriter(StorageWriter):
                 info = stored[_key(fqn, chunk.offsets)]
                 for d, o in info["objects"].items():
                     objects[d] = ObjectEntry(o["codec"], o["size"], o["raw_size"])
-                new_bytes += info.get("new_bytes", 0)
+                new.update(info.get("new", ()))
                 shards.append(
                     {
                         "offsets": list(chunk.offsets),
@@ -229,7 +231,8 @@ class StepvaultWriter(StorageWriter):
         manifest.stats = {
             "logical_bytes": manifest.logical_bytes,
             "stored_bytes": manifest.stored_bytes,
-            "new_bytes": new_bytes,
+            "new_bytes": sum(objects[d].size for d in new if d in objects),
+            "new_objects": len(new),
             "objects": len(objects),
             "seconds": time.perf_counter() - self._t0,
         }

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..format.chunking import ArraySpec, ChunkPlan, plan_chunks
@@ -52,9 +52,12 @@ class WriteStats:
     objects: int = 0
     new_objects: int = 0
     seconds: float = 0.0
+    #: the digests of the objects this write stored (not in the store before): a
+    #: collective save counts each once over all ranks (two ranks can write equal shards)
+    new_digests: set[str] = field(default_factory=set, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "new_digests"}
 
 
 class ChunkDigests:
@@ -308,6 +311,7 @@ def write_objects(
         if res.new:
             stats.new_bytes += res.entry.size
             stats.new_objects += 1
+            stats.new_digests.add(res.digest)
         for name, _off, at, length in plan.members:
             tensors[name].chunks.append((res.digest, at, length))
     for digest, entry in objects.items():
