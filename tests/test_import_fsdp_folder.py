@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import cli
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import stepvault
+import stepvault.ops.migrate
 from stepvault.errors import StepvaultError, UntrustedInputError
 from stepvault.ops.migrate import import_dcp
 
@@ -102,3 +104,70 @@ def test_accelerate_fsdp_folder_refusals(tmp_path):
         timeout=300,
     )
     assert done.returncode != 0 and "--step" in done.stdout + done.stderr
+
+
+#: One rank of an Accelerate FSDP1 ``SHARDED_STATE_DICT`` job saved with ``use_dcp=False``:
+#: the torch calls of ``accelerate.utils.save_fsdp_model``/``save_fsdp_optimizer`` (accelerate
+#: 1.16 ``utils/fsdp_utils.py``): under ``FSDP.state_dict_type(SHARDED_STATE_DICT)``,
+#: ``torch.save`` of ``model.state_dict()`` and of ``FSDP.optim_state_dict`` per rank.
+PER_RANK_JOB = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+out = sys.argv[1]
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+torch.manual_seed(0)
+model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)),
+             device_id=torch.device("cpu"), use_orig_params=True)
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+model(torch.randn(3, 4)).sum().backward()
+opt.step()
+with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+    torch.save(model.state_dict(), os.path.join(out, "pytorch_model_fsdp_0_rank0.bin"))
+    torch.save(FSDP.optim_state_dict(model, opt), os.path.join(out, "optimizer_0_rank0.bin"))
+dist.destroy_process_group()
+"""
+
+
+def test_accelerate_per_rank_fsdp_folder_is_refused_naming_the_layout_and_the_way_out(tmp_path):
+    """Accelerate's ``use_dcp=False`` layout (one pickle of ShardedTensors per rank, which
+    only the job's process group can even unpickle) is refused by name, before any
+    question of step or trust, by every entry point; the store is not touched."""
+    folder = tmp_path / "acc"
+    folder.mkdir()
+    subprocess.run(
+        [sys.executable, "-c", PER_RANK_JOB, str(folder), str(tmp_path / "pg")],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    # the rest of save_state: the scheduler and the rank's RNG
+    torch.save({"last_epoch": 1, "_last_lr": [0.01]}, folder / "scheduler.bin")
+    torch.save(_rng_dict(1), folder / "random_states_0.pkl")
+    store = tmp_path / "store"
+    layout = r"saved one file per rank without torch.distributed.checkpoint"
+    way_out = r"use_dcp=False.*save_state.*SHARDED_STATE_DICT.*stepvault import"
+    for call in (
+        lambda: import_dcp(store, folder, run="acc", step=1, trust=True),
+        lambda: stepvault.ops.migrate.import_checkpoint(store, folder, run="acc", step=1),
+    ):
+        with pytest.raises(StepvaultError, match=f"(?s){layout}.*{way_out}"):
+            call()
+    done = cli(store, "import", str(folder), "--run", "acc")  # no --step, no --trust
+    assert done.exit_code != 0 and "pytorch_model_fsdp_0_rank0.bin" in done.output, done.output
+    assert "one file per rank" in done.output and "records no step" not in done.output
+    assert not store.exists()
+
+
+def test_import_names_the_accelerate_fsdp_folder(tmp_path):
+    """``stepvault import --help`` lists the Accelerate FSDP folder; ``import_checkpoint``
+    of one names it and says how to import it (it needs the step and trust up front)."""
+    _accelerate_folder(tmp_path / "acc")
+    with pytest.raises(StepvaultError) as raised:
+        stepvault.ops.migrate.import_checkpoint(tmp_path / "store", tmp_path / "acc", run="acc")
+    message = str(raised.value)
+    assert "an Accelerate FSDP save_state folder" in message, message
+    assert "--step N --trust" in message and "import_dcp(" in message, message
+    done = cli(tmp_path / "store", "import", "--help", env={"COLUMNS": "1000", "NO_COLOR": "1"})
+    assert "or an Accelerate FSDP save_state folder" in done.output, done.output
+    done = cli(tmp_path / "store", "import-dcp", "--help", env={"COLUMNS": "1000"})
+    assert "Accelerate FSDP save_state folder" in done.output, done.output

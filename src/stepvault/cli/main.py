@@ -408,7 +408,13 @@ def export_cmd(
 
 @app.command("import-dcp")
 def import_dcp_cmd(
-    path: Annotated[str, typer.Argument(help="A torch.distributed.checkpoint directory.")],
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A torch.distributed.checkpoint directory, or an Accelerate FSDP save_state "
+            "folder (pytorch_model_fsdp_0/, optimizer_0/...)."
+        ),
+    ],
     run: Annotated[str, typer.Option(help="Run to import into.")],
     step: Annotated[int, typer.Option(help="Step of the imported checkpoint.")],
     root: RootOpt = None,

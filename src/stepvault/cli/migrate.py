@@ -1,5 +1,5 @@
 """``stepvault import`` (alias ``stepvault migrate``): bring existing HF / Lightning / DCP /
-torch / safetensors checkpoints into a store."""
+Accelerate FSDP / torch / safetensors checkpoints into a store."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ def import_cmd(
         str,
         typer.Argument(
             help="An HF checkpoint-N folder (or a Trainer output dir: every checkpoint-N in "
-            "it), a Lightning .ckpt, a .pt/.pth file, a .safetensors file, or a "
-            "torch.distributed.checkpoint directory (needs --step and --trust)."
+            "it), a Lightning .ckpt, a .pt/.pth file, a .safetensors file, a "
+            "torch.distributed.checkpoint directory, or an Accelerate FSDP save_state folder "
+            "(pytorch_model_fsdp_0/, optimizer_0/, random_states_<rank>.pkl...; these two "
+            "need --step and --trust)."
         ),
     ],
     run: Annotated[str, typer.Option(help="Run to import into.")],
@@ -133,9 +135,10 @@ def _import_dcp(
     importer = DcpImporter()
     if fmt is not None or not importer.detect(path):
         return []
+    importer.refuse_unreadable(path)  # Accelerate's per-rank FSDP files: the way out
     if step is None:
         raise StepvaultError(
-            f"{path}: a torch.distributed.checkpoint directory records no step; pass --step N "
+            f"{path}: {importer.what(path)} records no step; pass --step N "
             "(and --trust; `stepvault import-dcp` is the same command)"
         )
     validate_run_name(run)

@@ -64,6 +64,10 @@ class Importer(ABC):
     #: file name suffixes of a file format (lower case, with the dot)
     suffixes: ClassVar[tuple[str, ...]] = ()
 
+    def elsewhere_for(self, path: str) -> str | None:
+        """:attr:`elsewhere` for the detected ``path`` (an importer may name what it found)."""
+        return self.elsewhere
+
     def detect(self, path: str) -> bool:
         """Whether ``path`` (an existing file or directory) is in this format; by default a
         file whose suffix is one of :attr:`suffixes` (directory formats look inside)."""

@@ -11,6 +11,7 @@ needed up front; :func:`detect_format` points there.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -143,6 +144,42 @@ def optimizers_by_index(imported: ImportedState) -> None:
         imported.metadata["optimizer_param_names"] = recorded
 
 
+#: Accelerate's FSDP files written one per rank without DCP: ``save_fsdp_model`` /
+#: ``save_fsdp_optimizer(use_dcp=False)`` of a ``SHARDED_STATE_DICT`` job
+#: (``pytorch_model_fsdp_<i>_rank<r>.bin``, ``optimizer_<i>_rank<r>.bin``), and the model of a
+#: ``LOCAL_STATE_DICT`` one (``pytorch_model_fsdp_rank<r>.bin``, FSDP1's flat local shards).
+_PER_RANK_FSDP = re.compile(r"(pytorch_model_fsdp(_\d+)?|optimizer_\d+)_rank\d+\.bin")
+
+
+def per_rank_fsdp_files(path: str) -> list[str]:
+    """The per-rank FSDP files (:data:`_PER_RANK_FSDP`) directly in the folder ``path``."""
+    try:
+        return sorted(n for n in os.listdir(path) if _PER_RANK_FSDP.fullmatch(n))
+    except OSError:
+        return []
+
+
+def per_rank_fsdp_refusal(path: str, files: list[str]) -> str:
+    """Why a folder of per-rank FSDP files is not imported, and what to do instead.
+
+    Each file is one rank's ``torch.save`` of its shards: FSDP1 ``ShardedTensor`` objects
+    (FSDP2: ``DTensor``) whose unpickling needs the job's process group, and whose merge
+    needs every rank's placement metadata; importing them would be a second reader of
+    FSDP's own internals. Re-saving through DCP costs the user one ``save_state``."""
+    shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+    return (
+        f"{path}: an Accelerate FSDP folder saved one file per rank without "
+        f"torch.distributed.checkpoint ({shown}: `save_fsdp_model`/`save_fsdp_optimizer` with "
+        "use_dcp=False, or fsdp_state_dict_type LOCAL_STATE_DICT). Each file holds one rank's "
+        "shards as pickled ShardedTensor/DTensor objects, which stepvault does not import. "
+        "Way out: load it in the same job (same world size, Accelerate's load with "
+        "use_dcp=False) and save it again with DCP: `accelerator.save_state(DIR)` with "
+        "fsdp_state_dict_type SHARDED_STATE_DICT (its default use_dcp=True, FSDP2 or FSDP1) or "
+        "FULL_STATE_DICT, then `stepvault import DIR --run R --step N --trust`; or checkpoint "
+        "the job with stepvault.integrations.accelerate.AcceleratorCheckpointer"
+    )
+
+
 class DcpImporter(Importer):
     name = "dcp"
     layout: ClassVar[dict[str, str]] = {"<key>": "each top-level key of the saved state dict"}
@@ -150,23 +187,61 @@ class DcpImporter(Importer):
     elsewhere = "a torch.distributed.checkpoint directory; use `stepvault import-dcp`"
 
     def detect(self, path: str) -> bool:
+        """A DCP directory, an Accelerate FSDP ``save_state`` folder, or one of Accelerate's
+        per-rank FSDP folders (detected so that it is refused by name: :meth:`read`)."""
         from .fsdp import is_fsdp_folder
         from .hf import is_hf_checkpoint
 
         if not os.path.isdir(path):
             return False
-        # An Accelerate FSDP save_state folder; a Trainer's FSDP checkpoint-N is the HF one's
-        fsdp = is_fsdp_folder(path) and not is_hf_checkpoint(path)
-        return ".metadata" in os.listdir(path) or fsdp
+        if is_hf_checkpoint(path):  # a Trainer's FSDP checkpoint-N is the HF importer's
+            return ".metadata" in os.listdir(path)
+        return (
+            ".metadata" in os.listdir(path)
+            or is_fsdp_folder(path)
+            or bool(per_rank_fsdp_files(path))
+        )
+
+    def what(self, path: str) -> str:
+        """What the detected directory ``path`` is, in the words of the error messages."""
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            return "a torch.distributed.checkpoint directory"
+        if per_rank_fsdp_files(path):
+            return "an Accelerate FSDP folder saved one file per rank"
+        return (
+            "an Accelerate FSDP save_state folder (pytorch_model_fsdp_0/ and optimizer_0/ "
+            "are torch.distributed.checkpoint directories)"
+        )
+
+    def refuse_unreadable(self, path: str) -> None:
+        """Raise for a detected directory that is not imported at all (the per-rank FSDP
+        layout), before any question of step or trust."""
+        files = per_rank_fsdp_files(path)
+        if files and not os.path.isfile(os.path.join(path, ".metadata")):
+            raise StepvaultError(per_rank_fsdp_refusal(path, files))
+
+    def elsewhere_for(self, path: str) -> str | None:
+        """Where :func:`import_checkpoint` sends the detected directory ``path``: the DCP
+        import (it needs the step and ``trust`` up front), or the per-rank refusal."""
+        files = per_rank_fsdp_files(path)
+        if files and not os.path.isfile(os.path.join(path, ".metadata")):
+            return per_rank_fsdp_refusal(path, files).removeprefix(f"{path}: ")
+        return (
+            f"{self.what(path)}; it records no step and holds pickles: import it with "
+            "`stepvault import PATH --run R --step N --trust` (or `stepvault import-dcp`; "
+            "Python: stepvault.ops.import_dcp(root, path, run=R, step=N, trust=True))"
+        )
 
     def read(self, path: str, *, trust: bool = False) -> ImportedState:
         """Load the whole DCP checkpoint into memory in this process (no process group).
 
         An Accelerate ``save_state`` folder of an FSDP job (``pytorch_model_fsdp_0/``,
         ``optimizer_0/``... beside its pickles) is read as one checkpoint
-        (:func:`.fsdp.read_accelerate_folder`): it records no step either."""
+        (:func:`.fsdp.read_accelerate_folder`): it records no step either. Accelerate's
+        per-rank FSDP files (``use_dcp=False``) are refused with the way out."""
         from .fsdp import read_accelerate_folder
 
+        self.refuse_unreadable(path)
         if self.detect(path) and not os.path.isfile(os.path.join(path, ".metadata")):
             return read_accelerate_folder(path, trust=trust)
         state = load_dcp(path, trust=trust)

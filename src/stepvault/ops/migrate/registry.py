@@ -44,8 +44,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     if os.path.isdir(path):
         for importer in IMPORTERS.values():
             if importer.directory and importer.detect(path):
-                if importer.elsewhere is not None:
-                    raise StepvaultError(f"{path}: {importer.elsewhere}")
+                elsewhere = importer.elsewhere_for(path)
+                if elsewhere is not None:
+                    raise StepvaultError(f"{path}: {elsewhere}")
                 return importer.name
         if hf_checkpoint_folders(path):
             raise StepvaultError(
