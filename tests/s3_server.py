@@ -19,6 +19,7 @@ import struct
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
@@ -97,6 +98,9 @@ class FaultProxy:
         self.counts: Counter[str] = Counter()
         #: every request as (method, path, is a server-side copy), for request-count tests
         self.requests: list[tuple[str, str, bool]] = []
+        #: ``cut(method, path)`` true: that request's connection is reset before it reaches
+        #: the server, every time (a link cut during an upload); None: no cut
+        self.cut: Callable[[str, str], bool] | None = None
         self._next = 0
         proxy = self
 
@@ -144,6 +148,10 @@ class FaultProxy:
                 copy = "x-amz-copy-source" in {k.lower() for k in self.headers}
                 with proxy.lock:
                     proxy.requests.append((self.command, self.path, copy))
+                if proxy.cut is not None and proxy.cut(self.command, self.path):
+                    with proxy.lock:
+                        proxy.counts["cut"] += 1
+                    return self._reset()
                 fault = proxy._pick()
                 if fault == "503":
                     return self._error(503, _SLOW_DOWN)

@@ -29,6 +29,7 @@ __all__ = [
     "ReadOnlyError",
     "RegistryError",
     "ResumeGapWarning",
+    "SaveFailedError",
     "SigningError",
     "StateMismatchError",
     "StepvaultError",
@@ -156,6 +157,24 @@ class LeaseLostError(LeaseHeldError):
         # DCP's collectives pickle one rank's exception to the others; the default rebuilds
         # it from ``args`` alone and fails on the keyword-only fields (a TypeError there).
         return (functools.partial(type(self), run=self.run, owner=self.owner), (str(self),))
+
+
+class SaveFailedError(StepvaultError):
+    """A collective save failed before its commit: nothing of ``step`` was committed and
+    every earlier checkpoint is intact.
+
+    ``ranks`` are the ranks whose part failed (e.g. an object upload cut by the network);
+    the message names them, the cause and the way out. Every rank of the save raises it.
+    """
+
+    def __init__(self, message: str, *, step: int, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = ranks
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled between ranks like LeaseLostError: keyword-only fields.
+        return (functools.partial(type(self), step=self.step, ranks=self.ranks), (str(self),))
 
 
 class SigningError(StepvaultError):

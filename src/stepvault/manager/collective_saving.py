@@ -18,7 +18,7 @@ import torch
 
 from ..core.info import SaveInfo
 from ..core.values import encode_metadata, encode_metrics
-from ..errors import LeaseLostError, StepvaultError
+from ..errors import LeaseLostError, SaveFailedError, StepvaultError
 from ..format import parse_manifest
 from ..state.snapshot import weights_only
 from .saving import SaveRequest, Staged
@@ -104,7 +104,7 @@ class CollectiveWriter:
 
                 save_state(s.store, part, **args)
         except BaseException as exc:
-            exc = lease_lost_in(exc)
+            exc = save_failed_in(exc, step, s.store.backend.url)
             s.failed(step, exc)
             s.raise_or_warn(exc)
             return None
@@ -143,7 +143,7 @@ class CollectiveWriter:
                 try:
                     future.result()
                 except BaseException as exc:
-                    lost = lease_lost_in(exc)
+                    lost = save_failed_in(exc, step, s.store.backend.url)
                     s.failed(step, lost)
                     if lost is exc:
                         raise
@@ -173,3 +173,63 @@ def lease_lost_in(exc: BaseException) -> BaseException:
             if isinstance(failure, LeaseLostError):
                 return failure
     return exc
+
+
+def _phase(frames: object) -> str:
+    """Where a rank's part of a DCP save failed, from its traceback summary: ``commit``
+    (the coordinator's ``finish``: the manifest may or may not have been written),
+    ``upload`` (``write_data``: the rank's objects) or ``plan`` (before any write)."""
+    names = [getattr(f, "name", "") for f in frames] if isinstance(frames, list) else []
+    if "finish" in names or "commit_checkpoint" in names:
+        return "commit"
+    return "upload" if "write_data" in names else "plan"
+
+
+def _kind(exc: BaseException) -> str:
+    """A word for the cause a user acts on (the exception's class may not have survived
+    the pickle between ranks, so its name and message count)."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    if isinstance(exc, ConnectionError | TimeoutError) or any(
+        w in text for w in ("connection", "endpoint", "timed out", "timeout", "unreachable")
+    ):
+        return "connection"
+    if "no space" in text or "outofspace" in text:
+        return "no space left"
+    return "error"
+
+
+def save_failed_in(exc: BaseException, step: int, where: str) -> BaseException:
+    """What every rank raises for a failed collective save of ``step`` to the store at
+    ``where``: the :class:`LeaseLostError` DCP's ``CheckpointException`` carries (see
+    :func:`lease_lost_in`); else, when the failure came before the coordinator's commit
+    (a rank's upload or plan), a :class:`SaveFailedError` naming the step, the ranks, the
+    cause, that nothing was committed and the way out (DCP's wrapper is a
+    ``BaseException`` that ``except Exception`` and ``on_save_error="warn"`` let
+    through); any other failure as it is."""
+    lost = lease_lost_in(exc)
+    failures = getattr(exc, "failures", None)
+    if lost is not exc or not isinstance(failures, dict) or not failures:
+        return lost
+    causes: list[str] = []
+    for rank, failure in sorted(failures.items()):
+        error, frames = (
+            failure if isinstance(failure, tuple) and len(failure) == 2 else (failure, [])
+        )
+        phase = _phase(frames)
+        if phase == "commit":  # the manifest may have been written: not "nothing committed"
+            return exc
+        what = f"the upload to {where} failed" if phase == "upload" else "its part failed"
+        detail = f"{type(error).__name__}: {error}".rstrip(".")
+        causes.append(f"rank {rank}: {what} ({_kind(error)}): {detail}")
+    ranks = tuple(sorted(int(r) for r in failures))
+    named = ", ".join(str(r) for r in ranks)
+    return SaveFailedError(
+        f"the save of step {step} failed on rank{'s' if len(ranks) > 1 else ''} {named}; "
+        + "; ".join(causes)
+        + f". Nothing of step {step} was committed and every earlier checkpoint is intact. "
+        f"Check that every rank can reach {where} and save again (training can go on; the "
+        "next save writes the whole state), or relaunch the job to resume from the newest "
+        "checkpoint",
+        step=step,
+        ranks=ranks,
+    )
