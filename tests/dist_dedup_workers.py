@@ -1,5 +1,6 @@
-"""Workers of tests/test_distributed_dedup.py: a half-frozen FSDP2 fine-tune saved
-collectively on gloo ranks (spawned; importable at module level)."""
+"""Workers of tests/test_distributed_dedup.py and tests/test_one_rank_group.py: a
+half-frozen FSDP2 fine-tune saved collectively on gloo ranks (spawned; importable at
+module level)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,38 @@ def task_fine_tune(rank: int, world: int, root: str, out: str) -> None:
             assert torch.equal(got[k], v), (run, step, k)
     if rank == 0:
         torch.save(saved[2], os.path.join(out, "saved2.pt"))
+
+
+def task_one_rank(rank: int, world: int, root: str, out: str) -> None:
+    """FSDP2 on a group of one rank (a job debugged with ``torchrun --nproc_per_node 1``):
+    the default manager refuses its DTensors naming ``collective=True`` and keeps the
+    store empty; ``collective=True`` saves twice, and a new state restores the newest,
+    bitwise, and a plain process restores it too (out/one_rank.pt: what it saved)."""
+    import pytest
+
+    import stepvault
+    from stepvault.errors import StepvaultError
+
+    assert world == 1
+    state = build(init_device_mesh("cpu", (1,)))
+    train(state, rank)
+    mgr = stepvault.CheckpointManager(root, "one", async_save=False)
+    with mgr, pytest.raises(StepvaultError, match="collective=True"):
+        mgr.save(1, state, force=True)
+    assert stepvault.open(root).steps("one") == []
+    with stepvault.CheckpointManager(root, "one", collective=True) as mgr:
+        for _ in range(2):
+            train(state, rank)
+            mgr.save(state["step"], state, force=True)
+        mgr.wait()
+        saved = full(state)
+        fresh = build(init_device_mesh("cpu", (1,)))
+        info = mgr.restore(fresh)
+    assert info is not None and info.step == 3 == fresh["step"], info
+    got = full(fresh)
+    assert got.keys() == saved.keys()
+    assert all(torch.equal(got[k], v) for k, v in saved.items())
+    torch.save(saved, os.path.join(out, "one_rank.pt"))
 
 
 def run(rank: int, world: int, port: int, task: str, root: str, out: str) -> None:

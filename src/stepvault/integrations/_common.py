@@ -21,6 +21,15 @@ from ..store import Store
 StepRef = int | Literal["latest", "best"]
 
 
+def sharded_collective() -> bool | None:
+    """``collective=`` for the manager of a sharded job (FSDP): collective under any
+    process group, one rank included (``torchrun --nproc_per_node 1`` keeps the DTensors,
+    which a single-process save cannot hold); None without a group."""
+    import torch.distributed as dist
+
+    return True if dist.is_available() and dist.is_initialized() else None
+
+
 def missing_framework(module: str, framework: str, extra: str) -> str:
     """The ImportError text for an integration whose framework is not installed."""
     return (

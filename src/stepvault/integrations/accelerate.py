@@ -56,7 +56,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
-from ._common import missing_framework
+from ._common import missing_framework, sharded_collective
 from ._fsdp1 import give_world_mesh, is_fsdp1
 from ._staging import StagingPreparer
 
@@ -299,6 +299,8 @@ class AcceleratorCheckpointer:
             )
             self.manager = self.deepspeed.manager
         else:
+            if _kind(accelerator) == "FSDP":  # its DTensors, on one rank too
+                manager_options.setdefault("collective", sharded_collective())
             self.manager = CheckpointManager(
                 root, run, save=save, keep=keep, async_save=async_save, **manager_options
             )

@@ -67,6 +67,7 @@ from ._common import (
     open_manager_on_rank0,
     read_checkpoint,
     rng_state_of_this_rank,
+    sharded_collective,
     warn_resume_gaps,
 )
 
@@ -163,6 +164,7 @@ class StepvaultCallback(TrainerCallback):
                     save=self.save_policy,
                     keep=self.keep_policy,
                     async_save=self.async_save,
+                    collective=sharded_collective(),
                     **options,
                 )
             else:
@@ -583,6 +585,7 @@ class StepvaultTrainerMixin(_TrainerBase):
                     save=cb.save_policy,
                     keep=cb.keep_policy,
                     async_save=cb.async_save,
+                    collective=sharded_collective(),
                     **options,
                 )
             )

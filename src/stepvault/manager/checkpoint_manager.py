@@ -90,9 +90,11 @@ class CheckpointManager:
         best_metric, best_mode: what "best" means for ``restore(step="best")`` and
             ``best_step`` (default: the metric of the first KeepBest in ``keep``).
         collective: None (default) makes the manager collective under a process group
-            (every rank calls ``save``). ``False`` makes it rank-local: for trainers that
-            save a replicated (DDP) model from rank 0 only (Lightning, the HF Trainer);
-            sharded DTensor state is then refused.
+            of more than one rank (every rank calls ``save``). ``False`` makes it
+            rank-local: for trainers that save a replicated (DDP) model from rank 0 only
+            (Lightning, the HF Trainer); sharded DTensor state is then refused. ``True``
+            makes it collective under any process group, one rank included (an FSDP2
+            job on one process).
         lineage: a :class:`~stepvault.registry.Lineage` (``Lineage.capture(config, data=...,
             parent="base@1000")``) linked from every manifest; by default the git commit and
             environment are captured; ``False`` records nothing.

@@ -44,6 +44,17 @@ class LocalScope:
     def check_state(self, state: Mapping[str, Any]) -> None:
         if self.rank_local:
             is_collective(state, False)  # refuses sharded DTensor state with a clear error
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+            from ..distributed.state import has_dtensor
+
+            if has_dtensor(state):  # a group of one rank: FSDP2 debugged on one process
+                raise StepvaultError(
+                    "the state holds DTensors (FSDP2 / tensor parallel) under a process "
+                    "group of one rank, and this manager saves like a single process, "
+                    "which cannot hold them: make it CheckpointManager(..., "
+                    "collective=True) to save through the collective path on one rank, "
+                    "or train without fully_shard on one process"
+                )
 
     def check_restore(self, run: str, step: int) -> None:
         """A checkpoint several ranks wrote (``run@step``, a sharded job's) is restored
@@ -114,12 +125,14 @@ def fenced(lease: Lease) -> Lease:
 
 
 def choose_scope(collective: bool | None) -> Scope:
-    """``collective=None``: collective under an initialised process group; ``False``:
-    rank-local; ``True``: collective (needs a process group)."""
-    if collective and not distributed_active():
+    """``collective=None``: collective under an initialised process group of more than one
+    rank (a group of one saves like a single process); ``False``: rank-local; ``True``:
+    collective under any initialised group, one rank included (FSDP2 state on one
+    process)."""
+    if collective and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ValueError(
-            "collective=True needs an initialised torch.distributed group of more than one "
-            "rank (a group of one saves like a single process: leave collective=None)"
+            "collective=True needs an initialised torch.distributed process group (call "
+            "torch.distributed.init_process_group first, e.g. under torchrun)"
         )
     if distributed_active() if collective is None else collective:
         return CollectiveScope()
