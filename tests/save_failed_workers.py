@@ -73,3 +73,62 @@ def task_upload_cut(rank: int, world: int, root: Path, out: Path) -> None:
         ]
     result["after"] = Store.open(url).list_steps("r")
     (out / f"result{rank}.json").write_text(json.dumps(result))
+
+
+def _fill(path: Path) -> None:
+    """Fill the filesystem of ``path`` to the last byte (a node's tmpfs run full)."""
+    fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        size = 64 << 10
+        while size:
+            try:
+                os.write(fd, b"\0" * size)
+            except OSError:
+                size //= 2  # the last partial blocks too
+    finally:
+        os.close(fd)
+
+
+def task_mem_full(rank: int, world: int, root: Path, out: Path) -> None:
+    """A collective manager with a replicated mem tier, disk every 3rd save. Rank 1's node
+    memory (a small tmpfs) runs full after step 2: the save of step 3 (due on disk too)
+    still goes to disk; step 4 (due in memory only) fails on rank 1. The run's event log
+    is then read by every rank."""
+    import stepvault
+    from stepvault.manager.options import MemOptions
+    from stepvault.store import Store
+    from stepvault.tiers import CopyEvery
+
+    mem = Path(os.environ[f"STEPVAULT_TEST_MEM{rank}"])
+    os.environ["STEPVAULT_MEM_ROOT"] = str(mem)  # this rank's node memory
+    os.environ["STEPVAULT_NODE"] = f"node{rank}"
+    mgr = stepvault.CheckpointManager(
+        root / "hot",
+        "r",
+        tiers={"mem": MemOptions(budget="64MB", replicate=True)},
+        tier_policy=CopyEvery("hot", steps=3),
+        lineage=False,
+    )
+    result: dict = {}
+    for step in (1, 2):
+        mgr.save(step, _state(step), force=True)
+        mgr.wait()
+    dist.barrier()
+    if rank == 1:
+        _fill(mem)
+    dist.barrier()
+    mgr.save(3, _state(3), force=True)  # due on disk: it goes there
+    mgr.wait()
+    try:
+        mgr.save(4, _state(4), force=True)  # due in memory only
+        mgr.wait()
+    except Exception as exc:
+        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    dist.barrier()
+    result["events"] = [
+        {k: e.get(k) for k in ("event", "step", "rank", "result", "tier")}
+        for e in mgr.events()
+        if e["event"] in ("mem_save_failed", "save", "save_failed")
+    ]
+    result["on_disk"] = Store.open(root / "hot").list_steps("r")
+    (out / f"result{rank}.json").write_text(json.dumps(result))

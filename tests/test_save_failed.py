@@ -65,3 +65,23 @@ def test_the_save_failed_error_survives_the_pickle_between_ranks():
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+def test_a_full_node_memory_says_what_happened_to_the_save(make_tmpfs, tmp_path, monkeypatch):
+    """``mem_save_failed`` said "saved to disk only" for a step due in node memory only,
+    whose save then failed (nothing went to disk); now the event says which."""
+    full = make_tmpfs("8m")  # rank 1's node memory, filled by the rank after step 2
+    monkeypatch.setenv("STEPVAULT_TEST_MEM0", str(tmp_path / "mem0"))
+    monkeypatch.setenv("STEPVAULT_TEST_MEM1", str(full))
+    out = tmp_path / "out"
+    spawn_ranks(save_failed_workers.run, 2, "mem_full", tmp_path / "store", out)
+    results = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
+    print(results)
+    assert results[1]["error"]["type"] == "StepvaultError"
+    assert "step 4 was due in node memory only" in results[1]["error"]["message"]
+    events = results[0]["events"]
+    failed = {e["step"]: e for e in events if e["event"] == "mem_save_failed"}
+    assert failed[3]["rank"] == 1 and failed[3]["result"] == "saved to disk only"
+    assert failed[4]["rank"] == 1 and failed[4]["result"].startswith("not saved"), failed[4]
+    assert "due in node memory only" in failed[4]["result"]
+    assert results[0]["on_disk"] == [3]  # step 3 on disk; step 4 nowhere on disk

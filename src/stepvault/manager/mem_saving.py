@@ -174,18 +174,28 @@ class MemSaver:
         *,
         urgent: bool,
         digests: ChunkDigests | None = None,
+        disk: bool = True,
     ) -> tuple[SaveInfo | None, dict[str, Any]]:
         """Commit ``manifest`` with ``host`` into the mem tier (a copy: the caller still
         writes ``manifest`` to disk); ``(info or None when it did not fit, event fields)``.
 
         ``digests`` are the chunk digests of ``host`` shared with the save's disk write, so
-        that each chunk is hashed once per save. Nothing is read back from the mem store:
-        the previous mem commit's object table is kept (the parent's chunks are reused
-        without reading its manifest)."""
+        that each chunk is hashed once per save. ``disk``: whether the save goes to disk
+        when it does not reach memory (one process: always; a collective save decided it
+        before, and a step due in memory only then fails), so the events say which.
+        Nothing is read back from the mem store: the previous mem commit's object table is
+        kept (the parent's chunks are reused without reading its manifest)."""
         s, mem = self.session, self.mem
         need = _estimate(host, int(mem.store.settings.get("chunk_size", 32 << 20)))
         with mem.lock:
             on_disk = set(s.store.list_steps(s.run))
+            # What happens to a save that does not reach memory (the events say it).
+            result = (
+                "saved to disk only"
+                if disk
+                else "not saved: the step was due in node memory only, so its save fails "
+                "on this rank; earlier checkpoints are intact"
+            )
             if not mem.make_room(need, on_disk, log=s.event):
                 s.event(
                     "mem_over_budget",
@@ -193,7 +203,7 @@ class MemSaver:
                     needed_bytes=need,
                     budget=mem.budget,
                     used_bytes=mem.used_bytes(),
-                    result="saved to disk only",
+                    result=result,
                 )
                 return None, {"tier": "hot", "mem": "over budget"}
             m = copy.deepcopy(manifest)
@@ -210,12 +220,13 @@ class MemSaver:
                     digests=digests,
                 )
             except (StepvaultError, OSError) as exc:
-                # A full or failing tmpfs must not cost the save: it still goes to disk.
+                # A full or failing tmpfs must not cost a save due on disk: it still goes
+                # there; a collective step due in memory only fails (collective_saving).
                 s.event(
                     "mem_save_failed",
                     step=manifest.step,
                     error=f"{type(exc).__name__}: {exc}",
-                    result="saved to disk only",
+                    result=result,
                 )
                 error = f"{type(exc).__name__}: {exc}"
                 return None, {"tier": "hot", "mem": "failed", "mem_error": error}

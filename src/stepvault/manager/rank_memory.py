@@ -136,6 +136,8 @@ class RankMemory:
         self.tier.budget = node_mem.budget // (2 * local)
         #: ranks whose copy of each staged step went into memory (the save event's tier)
         self._in_memory: dict[int, list[int]] = {}
+        #: by step: whether that save also goes to disk (what a failed memory write means)
+        self._to_disk: dict[int, bool] = {}
         #: every rank's replica state after the last :meth:`wait_replicated`
         self.replica_status: list[dict[str, Any]] | None = None
         if layout.position(self.rank) == 0:  # the node's first rank, whatever LOCAL_RANK
@@ -219,7 +221,10 @@ class RankMemory:
                 )
         except (TypeError, ValueError, RuntimeError, OSError) as exc:  # e.g. DTensor state
             self.saver.session.event(
-                "mem_save_failed", step=step, error=f"{type(exc).__name__}: {exc}"
+                "mem_save_failed",
+                step=step,
+                error=f"{type(exc).__name__}: {exc}",
+                result="saved to disk by every rank",  # a rank not staged: DCP writes all
             )
         # Every rank the same answer (DCP is collective): rank 0's clock decides a time
         # interval of CopyEvery("hot", minutes=m).
@@ -228,6 +233,7 @@ class RankMemory:
         dist.all_gather_object(everyone, (staged is not None, wants))
         disk = not all(ok for ok, _ in everyone) or bool(everyone[0][1])
         self._in_memory[step] = [r for r, (ok, _) in enumerate(everyone) if ok]
+        self._to_disk[step] = disk
         return staged, disk
 
     def commit(
@@ -237,9 +243,14 @@ class RankMemory:
         it staged one), then queue the replica."""
         info: SaveInfo | None = None
         fields: dict[str, Any] = {}
+        disk = self._to_disk.pop(step, True)
         if staged is not None:
             info, fields = self.saver.save(
-                staged.manifest, staged.host, urgent=staged.urgent, digests=staged.copies.digests
+                staged.manifest,
+                staged.host,
+                urgent=staged.urgent,
+                digests=staged.copies.digests,
+                disk=disk,
             )
         # The save event (rank 0's) says where every rank's copy went: "mem+hot" only when
         # every rank staged into memory; the ranks that did not are named.
