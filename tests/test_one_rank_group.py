@@ -45,3 +45,11 @@ def test_accelerate_fsdp2_job_on_one_rank_saves_and_resumes_bitwise(tmp_path: Pa
     out = run_job(torchrun(script, str(tmp_path / "store"), nproc=1))
     assert "RANK 0 OK" in out
     assert stepvault.open(tmp_path / "store").manifest("fsdp2", 3).sharded
+
+
+def test_collective_true_without_a_process_group_is_refused_before_the_store(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match="init_process_group"):
+        stepvault.CheckpointManager(tmp_path / "store", "r", collective=True)
+    assert not (tmp_path / "store").exists()
