@@ -3,6 +3,11 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
         accelerate_deepspeed_train.py --root DIR [--stage 2] [--steps 20] [--out FILE]
 
+or ``accelerate launch --config_file DEEPSPEED_CONFIG accelerate_deepspeed_train.py ...``
+(tests/test_accelerate_launch.py): the plugin then comes from the config's
+``deepspeed_config_file`` (``--stage`` is ignored) and rank 0 prints
+``LAUNCH-CONFIG zero_stage=<s>``.
+
 ``Accelerator(deepspeed_plugin=...)`` prepares a small MLP with dropout (every rank's RNG
 matters), torch AdamW (``zero_allow_untested_optimizer``) and a StepLR scheduler; data is
 drawn by step from a per-epoch permutation (8 batches an epoch, so runs cross epoch
@@ -57,19 +62,29 @@ def main() -> int:
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    plugin = DeepSpeedPlugin(
-        hf_ds_config={
-            "train_micro_batch_size_per_gpu": 4,
-            "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": args.stage},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10_000,
-        }
+    # Under `accelerate launch` with a DeepSpeed config, Accelerate builds the plugin from the
+    # config (its `deepspeed_config_file`), as a user's script leaves it to the launcher.
+    launched = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    plugin = (
+        None
+        if launched
+        else DeepSpeedPlugin(
+            hf_ds_config={
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": args.stage},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 10_000,
+            }
+        )
     )
     accelerator = Accelerator(
         deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]
     )
     rank = dist.get_rank()
+    if launched and rank == 0:
+        stage = accelerator.state.deepspeed_plugin.zero_stage
+        print(f"LAUNCH-CONFIG zero_stage={stage}", flush=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 8)
