@@ -18,15 +18,20 @@ from torch.distributed.device_mesh import init_device_mesh
 FROZEN = ("model.0.", "model.1.", "model.2.")
 
 
+def plain_model() -> torch.nn.Module:
+    """The fine-tune's module, unsharded (what one process restores a checkpoint into)."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32),
+        torch.nn.Linear(32, 8),
+    )  # fmt: skip
+
+
 def build(mesh) -> dict:
     """The fine-tune: three small frozen modules, one trained Linear, AdamW, all FSDP2."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32),
-        torch.nn.Linear(32, 8),
-    )  # fmt: skip
+    model = plain_model()
     for layer in list(model)[:3]:
         layer.requires_grad_(False)
     for layer in model:

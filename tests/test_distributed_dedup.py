@@ -54,10 +54,7 @@ def test_second_collective_save_of_a_fine_tune_writes_no_chunk_of_its_frozen_ten
     assert _chunks(old, frozen) & _chunks(old, trained)
     # One process (no group) restores the gathered weights of the new layout bitwise.
     saved = torch.load(out / "saved2.pt", weights_only=True)
-    plain = torch.nn.Sequential(
-        torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32),
-        torch.nn.Linear(32, 8),
-    )  # fmt: skip
+    plain = dist_dedup_workers.plain_model()
     state = {"model": plain, "step": 0}
     stepvault.restore(root, state, run="ft", step=2, strict=False)
     for name, value in plain.state_dict().items():

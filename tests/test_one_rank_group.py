@@ -20,10 +20,7 @@ def test_fsdp2_on_a_group_of_one_rank_saves_with_collective_true(tmp_path: Path)
     # What the one rank wrote is an ordinary collective checkpoint: a plain process
     # without a group restores its full tensors bitwise.
     saved = torch.load(out / "one_rank.pt", weights_only=True)
-    plain = torch.nn.Sequential(
-        torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32),
-        torch.nn.Linear(32, 8),
-    )  # fmt: skip
+    plain = dist_dedup_workers.plain_model()
     state = {"model": plain, "step": 0}
     info = stepvault.restore(root, state, run="one", strict=False)
     assert info.step == 3 == state["step"]
