@@ -224,6 +224,70 @@ def test_a_late_manifest_that_landed_first_does_not_block_the_owners_commit(open
     assert restored_value(reader) == (2, 2.0)
 
 
+def test_a_late_overwrite_of_a_step_visible_at_the_takeover_is_no_checkpoint(open_store):
+    """The gap the step list left (RELIABILITY "Known limits"): A re-saves step 2 with
+    ``overwrite=True`` and its write is held past B's takeover, whose record listed step 2
+    as visible. The record now lists each visible step's version: A's replacement is
+    refused on every read, so no restore returns A's post-takeover state."""
+    a = open_store()
+    fenced(acquire_lease(a, "r", stale_after=TTL))
+    for step in (1, 2):
+        save(a, weights(step), run="r", step=step)
+    with held_write(a, 2) as (reached, release):
+        errors: list[BaseException] = []
+
+        def overwrite() -> None:
+            try:
+                save(a, weights(102), run="r", step=2, overwrite=True)
+            except BaseException as exc:  # reported to the test
+                errors.append(exc)
+
+        thread = threading.Thread(target=overwrite, daemon=True)
+        thread.start()
+        assert reached.wait(60)  # A passed the fence: its PUT is on its way
+        b = takeover(open_store)
+        save(b, weights(3), run="r", step=3)
+        release.set()  # A's replacement of step 2 lands after the takeover
+        thread.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], LeaseLostError)
+    record = b.fence_records("r").record(b.fences["r"].epoch)  # type: ignore[attr-defined]
+    assert record["visible"] == [1, 2] and set(record["versions"]) == {"1", "2"}
+    raw = open_store()
+    late = raw.backend.read_bytes(raw.manifest_key("r", 2))
+    assert manifest_stamp(late)["epoch"] < b.fences["r"].epoch  # A's bytes are there...  # type: ignore[attr-defined]
+
+    reader = open_store()  # ...and no read counts them
+    with pytest.raises(CheckpointNotFoundError, match="replaced the checkpoint visible at"):
+        reader.read_manifest("r", 2)
+    with pytest.raises(CheckpointNotFoundError):
+        restore(reader, {"w": torch.zeros(64)}, run="r", step=2, mem=False)
+    records = {r.step: r for r in checkpoint_records(reader, "r")}
+    assert records[1].valid and records[3].valid and not records[2].valid
+    assert restored_value(reader) == (3, 3.0)
+    # B's commit of step 2 replaces it (create-only: the refused manifest is removed first).
+    save(b, weights(2), run="r", step=2)
+    state = {"w": torch.zeros(64)}
+    restore(open_store(), state, run="r", step=2, mem=False)
+    assert float(state["w"][0]) == 2.0
+
+
+def test_fence_records_without_versions_read_as_before(tmp_path):
+    """A record written by 1.2 (no ``versions``) judges a visible step by its number."""
+    from stepvault.store.fencing import FenceRecords
+
+    v12 = {"epoch": 2, "visible": [1, 2], "owner": {"host": "h", "pid": 1}}
+    fences = FenceRecords([1, 2], lambda epoch: v12)
+    old = {"epoch": 1, "token": "t"}
+    assert fences.refusal(2, old, version="anything") is None
+    assert "landed after takeover" in str(fences.refusal(3, old, version="x"))
+    v13 = {**v12, "versions": {"1": "aa", "2": "bb"}}
+    fences = FenceRecords([1, 2], lambda epoch: v13)
+    assert fences.refusal(2, old, version="bb") is None
+    assert "replaced the checkpoint" in str(fences.refusal(2, old, version="cc"))
+    assert fences.refusal(2, old, version="cc", memory=True) is None  # memory: other files
+    assert fences.refusal(2, {"epoch": 2, "token": "u"}, version="cc") is None  # the owner's
+
+
 def test_old_stores_and_runs_without_a_lease_read_as_before(tmp_path):
     """Manifests without a stamp (no lease, or a stepvault before stamps) always count."""
     store = Store.open(tmp_path / "s", create=True)

@@ -4,7 +4,8 @@ Every acquire or takeover of a run's writer lease starts a new *epoch*
 (:mod:`stepvault.store.lease`). A commit under the lease records ``{"epoch", "token"}``
 in its manifest's envelope line (:func:`stamp_manifest`; the body and its checksum stay
 the writer's). The holder of each epoch writes ``refs/fences/<run>/<epoch>.json`` right
-after taking the lease, naming the checkpoints that were visible before it took it.
+after taking the lease, naming the checkpoints that were visible before it took it and
+the version of each (FORMAT 1.3: a late ``overwrite=True`` commit of one of them is caught).
 :class:`FenceRecords` decides from those records whether a stamped manifest counts: one
 of an older epoch that the next epoch's record does not list landed after that takeover
 (FORMAT.md §8). :class:`~.repository.Store` applies it to every listing and read.
@@ -13,10 +14,14 @@ of an older epoch that the next epoch's record does not list landed after that t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from .names import validate_run_name
+
+if TYPE_CHECKING:
+    from .repository import Store
 
 
 def fence_key(run: str, epoch: int) -> str:
@@ -42,6 +47,40 @@ def manifest_stamp(data: bytes) -> dict[str, Any] | None:
     ):
         return {"epoch": lease["epoch"], "token": lease["token"]}
     return None
+
+
+def manifest_version(data: bytes) -> str | None:
+    """The version of a manifest file the fence records name: its envelope's
+    ``body_blake3`` (read from the envelope line alone: a 4 KB ranged read is enough; the
+    stamp is outside the body, so a re-stamped copy is the same version). None when the
+    envelope line is not there or not a manifest's."""
+    end = data.find(b"\n", 0, 4096)
+    if end < 0:
+        return None
+    try:
+        envelope = json.loads(data[:end])
+    except (ValueError, RecursionError):
+        return None
+    body = envelope.get("body_blake3") if isinstance(envelope, dict) else None
+    return body if isinstance(body, str) else None
+
+
+def visible_versions(store: Store, run: str, steps: Sequence[int]) -> dict[str, str]:
+    """``{str(step): version}`` of each manifest in ``steps`` (what a new lease epoch's
+    fence record lists beside ``visible``): one ranged read of each envelope line, a few
+    at once. A manifest that cannot be read is left out (its step is judged as before
+    versions: visible means it counts)."""
+
+    def one(step: int) -> tuple[int, str | None]:
+        try:
+            head = store.backend.read_range(store.manifest_key(run, step), 0, 4096)
+        except OSError:
+            return step, None
+        return step, manifest_version(head)
+
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(steps)))) as pool:
+        found = list(pool.map(one, steps))
+    return {str(step): version for step, version in found if version is not None}
 
 
 def stamp_manifest(data: bytes, stamp: dict[str, Any]) -> bytes:
@@ -86,9 +125,21 @@ class FenceRecords:
         return self._load(epoch)
 
     def refusal(
-        self, step: int, stamp: dict[str, Any] | None, *, memory: bool = False
+        self,
+        step: int,
+        stamp: dict[str, Any] | None,
+        *,
+        memory: bool = False,
+        version: str | None = None,
     ) -> str | None:
         """Why a manifest of ``step`` with ``stamp`` is not a checkpoint; None when it is.
+
+        ``version``: the manifest's :func:`manifest_version`, when the caller read it. A
+        record that lists the step's version (``versions``, FORMAT 1.3) counts only that
+        version: another one of an older epoch is a late ``overwrite=True`` commit that
+        replaced the checkpoint visible at the takeover. Records without ``versions``
+        (written by 1.2), a caller that read no version, and node memory (whose copies are
+        other files) judge by the step alone.
 
         ``memory``: a node-memory copy, checked by the same rule, except that an epoch
         whose holder had exited or released the run (no process of it left to commit late)
@@ -101,14 +152,23 @@ class FenceRecords:
             return None
         first = later[0]
         record = self.record(first)
+        owner = record.get("owner") or {}
         if step in set(record.get("visible") or []):
-            return None
+            versions = record.get("versions")
+            listed = versions.get(str(step)) if isinstance(versions, dict) else None
+            if memory or version is None or listed is None or listed == version:
+                return None
+            return (
+                f"replaced the checkpoint visible at the takeover by {owner.get('host', '?')} "
+                f"pid {owner.get('pid', '?')} (lease epoch {first}; this manifest was "
+                f"committed under epoch {epoch}, whose writer had lost the run, with "
+                "overwrite=True: the version the takeover saw is gone)"
+            )
         if memory and all(
             (self.record(e).get("previous") or {}).get("ended") in ("released", "exited", None)
             for e in later
         ):
             return None
-        owner = record.get("owner") or {}
         return (
             f"landed after takeover by {owner.get('host', '?')} pid {owner.get('pid', '?')} "
             f"(lease epoch {first}; this manifest was committed under epoch {epoch}, whose "

@@ -51,7 +51,7 @@ from typing import Any
 
 from ..errors import LeaseHeldError, LeaseLostError
 from .backend import PreconditionFailed
-from .fencing import fence_key
+from .fencing import fence_key, visible_versions
 from .names import validate_run_name
 from .repository import Store
 
@@ -315,6 +315,9 @@ def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_
             # after this listing is not in the record, so it does not count (that holder's
             # last renewal was more than stale_after ago: it was late by the fence's terms).
             visible = store.list_steps(run)
+            # ...with the version of each: a late overwrite=True commit of one of them is
+            # no checkpoint either (the fence rule, FORMAT.md 1.3).
+            versions = visible_versions(store, run, visible)
             earlier = store.fence_records(run).current
             if current is not None and type(current.get("epoch")) is int:
                 earlier = max(earlier, current["epoch"])
@@ -325,7 +328,7 @@ def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_
             except PreconditionFailed:
                 pass
             else:
-                _write_fence_record(lease, current, visible)
+                _write_fence_record(lease, current, visible, versions)
                 return lease
             current, expected = lease._read()
             if current is None:
@@ -342,7 +345,12 @@ def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_
     raise LeaseHeldError(f"could not acquire the lease of run {run!r} (contention); retry")
 
 
-def _write_fence_record(lease: Lease, previous: dict[str, Any] | None, visible: list[int]) -> None:
+def _write_fence_record(
+    lease: Lease,
+    previous: dict[str, Any] | None,
+    visible: list[int],
+    versions: dict[str, str] | None = None,
+) -> None:
     """``refs/fences/<run>/<epoch>.json`` (create-only), right after the lease was taken and
     before anything is committed under it. If it cannot be written the lease is given back:
     without it an earlier holder's late commit would count."""
@@ -369,6 +377,7 @@ def _write_fence_record(lease: Lease, previous: dict[str, Any] | None, visible: 
             "pid": (previous or {}).get("pid"),
         },
         "visible": visible,
+        "versions": versions or {},
     }
     data = json.dumps(record, separators=(",", ":")).encode()
     try:

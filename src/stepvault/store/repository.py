@@ -39,7 +39,7 @@ from ..errors import (
     StoreVersionError,
 )
 from .backend import Backend, Buffer
-from .fencing import FenceRecords, fence_key, manifest_stamp, stamp_manifest
+from .fencing import FenceRecords, fence_key, manifest_stamp, manifest_version, stamp_manifest
 from .local import LocalBackend
 from .names import validate_run_name, validate_step
 from .signing import Signer, signer_from_env
@@ -107,6 +107,8 @@ class Store:
         #: stamps of manifests known here, ``(run, step) -> stamp`` (this store's commits and
         #: envelopes read): a listing reads only the envelopes of steps it has not seen
         self._stamps: dict[tuple[str, int], dict[str, Any] | None] = {}
+        #: manifest versions (envelope ``body_blake3``) read with those stamps
+        self._versions: dict[tuple[str, int], str | None] = {}
         #: ``(run, step, reason)`` of late manifests this store's commits removed (the
         #: manager logs them as ``stale_commit_removed`` events)
         self.stale_removed: list[tuple[str, int, str]] = []
@@ -318,12 +320,14 @@ class Store:
             except OSError:
                 continue  # unreadable: the listing's readers report it as they did
             self._stamps[(run, step)] = manifest_stamp(head)
+            self._versions[(run, step)] = manifest_version(head)
         memory = self.fence_source is not None
         out = {}
         for step in steps:
             if (run, step) not in self._stamps:
                 continue  # listed at the newest takeover (valid there), or unreadable
-            reason = fences.refusal(step, self._stamps[(run, step)], memory=memory)
+            stamp, version = self._stamps[(run, step)], self._versions.get((run, step))
+            reason = fences.refusal(step, stamp, memory=memory, version=version)
             if reason is not None:
                 out[step] = reason
         return out
@@ -338,7 +342,9 @@ class Store:
         own = getattr(fence, "stamp", None)
         if own is not None and getattr(fence, "lost", None) is None and own() == stamp:
             return None  # this writer's own commit (it still holds the lease it names)
-        return self.fence_records(run).refusal(step, stamp, memory=self.fence_source is not None)
+        return self.fence_records(run).refusal(
+            step, stamp, memory=self.fence_source is not None, version=manifest_version(data)
+        )
 
     def _read_raw(self, run: str, steps: Sequence[int]) -> Iterator[tuple[int, bytes | OSError]]:
         folder = f"runs/{validate_run_name(run)}/checkpoints"
@@ -358,7 +364,12 @@ class Store:
             stamp = self._stamps[(run, step)] = manifest_stamp(data)
             if stamp is not None:
                 fences = self.fence_records(run) if fences is None else fences
-                reason = fences.refusal(step, stamp, memory=self.fence_source is not None)
+                reason = fences.refusal(
+                    step,
+                    stamp,
+                    memory=self.fence_source is not None,
+                    version=manifest_version(data),
+                )
                 if reason is not None:
                     yield step, self._late_error(run, step, reason)
                     continue
@@ -418,6 +429,7 @@ class Store:
                 raise
             self._commit(run, step, key, data, fence, overwrite=overwrite)
         self._stamps[(run, step)] = manifest_stamp(data)
+        self._versions[(run, step)] = manifest_version(data)
 
     def _stamp_of(self, run: str) -> dict[str, Any] | None:
         stamp = getattr(self.fences.get(run), "stamp", None)
