@@ -159,3 +159,56 @@ def test_accelerate_fsdp1_killed_damaged_and_resumed_is_bitwise(tmp_path):
     plain = worker.build()
     stepvault.restore(root, {"model": plain}, run="accfsdp1", step=20, strict=False)
     assert all(torch.equal(t, want[n]) for n, t in plain.state_dict().items())
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("orig_params", [False, True], ids=["flat_params", "orig_params"])
+def test_accelerate_fsdp1_folder_imports_and_resumes_bitwise(tmp_path, orig_params):
+    """Accelerate's own ``save_state`` folder of an FSDP1 job (flat or original parameters),
+    imported with the CLI as ONE checkpoint, resumes on the 2 FSDP1 ranks through
+    AcceleratorCheckpointer. In the job: each rank's local shards, Adam moments and steps,
+    LR, accelerator.step and RNG equal the saved ones and the next 4 steps equal the
+    uninterrupted run's, bitwise, as after Accelerate's own ``load_state`` of the folder
+    (which, in the same process, is bitwise too). Then new processes resume from the import
+    and end where the uninterrupted run ends (full weights, both Adam moments, LR, every
+    rank's RNG draw), and one process (evaluation) restores the plain model and AdamW equal
+    to torch's own reading of the folder. Before, the restore refused: the fit check and the
+    optimizer mapping compared the imported moments with FSDP1's flat local parameters."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    common = ["--orig-params"] if orig_params else []
+    native, imported, ref = tmp_path / "native", tmp_path / "imported", tmp_path / "ref.pt"
+    out = run_job(torchrun(FSDP1_SCRIPT, *common, "--root", str(tmp_path / "store"), "--steps",
+                           "6", "--native", str(native), "--imported", str(imported), "--out",
+                           str(ref)))  # fmt: skip
+    assert "missing" not in out.split("IMPORT ", 1)[1].split("OWN-RESUME")[0], out
+    for rank in (0, 1):
+        assert f"OWN-RESUME {rank} state differs: [] next steps differ: []" in out, out
+        assert f"IMPORT-RESUME {rank} OK" in out, out
+
+    final = tmp_path / "final.pt"  # a new job resumes from the import
+    out = run_job(torchrun(FSDP1_SCRIPT, *common, "--root", str(imported), "--no-extra",
+                           "--steps", "10", "--out", str(final)))  # fmt: skip
+    assert "RESUMED 6 " in out, out
+    want, got = torch.load(ref), torch.load(final)
+    assert want.keys() == got.keys() and any(k.endswith(".exp_avg_sq") for k in want)
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, differ
+
+    # One process: the import restores into the plain model and AdamW, equal to torch's own
+    # reading of Accelerate's DCP folders (weights and moments by parameter name).
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        dcp_to_torch_save(native / part, tmp_path / f"{part}.pt")
+    weights = torch.load(tmp_path / "pytorch_model_fsdp_0.pt")["model"]
+    moments = torch.load(tmp_path / "optimizer_0.pt")["optimizer"]["state"]
+    spec = importlib.util.spec_from_file_location("accelerate_fsdp1_train", FSDP1_SCRIPT)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    plain = worker.build()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    stepvault.restore(imported, {"model": plain, "optimizer": opt}, run="accfsdp1", step=6,
+                      strict=False)  # fmt: skip
+    for name, param in plain.named_parameters():
+        assert torch.equal(param, weights[name]), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[param][key], moments[name][key]), (name, key)

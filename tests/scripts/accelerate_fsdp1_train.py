@@ -13,6 +13,19 @@ Rank 0 prints ``FRESH`` / ``RESUMED <step> epoch=<e> skipped=<n>``; at the end i
 the full weights, both Adam moments of every parameter (by name), the scheduler's LR,
 ``accelerator.step`` and a draw of each rank's torch RNG to ``--out`` (``torch.save``).
 
+With ``--native DIR --imported ROOT`` (issue 30: resuming an imported FSDP1 folder), after
+the last step ``accelerator.save_state(DIR)`` writes Accelerate's own FSDP1 folders
+(``pytorch_model_fsdp_0/``, ``optimizer_0/``, ``scheduler.bin``, ``random_states_<r>.pkl``),
+rank 0 imports it into ROOT as ``--run`` with ``stepvault import`` (printing ``IMPORT`` and
+the CLI's output) and every rank trains 4 steps on (the uninterrupted run, whose state
+then goes to ``--out``), resumes with Accelerate's own ``load_state`` of the folder
+(printing ``OWN-RESUME <r>`` and what of its state differs from the saved one), trains 4
+steps, then resumes through ``AcceleratorCheckpointer`` from the import: its local shards,
+Adam moments, LR, ``accelerator.step`` and RNG must equal those at the save and the next 4
+steps the uninterrupted ones, bitwise (``IMPORT-RESUME <r> OK``). ``--root ROOT
+--no-extra`` then resumes from the import in new processes (the import holds no
+``extra``).
+
 TEST-ONLY PATCH: Accelerate honours an FSDP plugin only for GPU-like distributed types;
 on CPU processes it silently trains with DDP. ``cpu_fsdp1_accelerator`` sets the FSDP
 distributed type and the plugin in Accelerate's shared state (as
@@ -25,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -79,6 +93,98 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 16, generator=g)
 
 
+def final_state(accelerator: Accelerator, model, opt, sched) -> dict[str, torch.Tensor]:
+    """The job's state for ``--out`` (collective): full weights, both Adam moments by
+    parameter name, the LR, a draw of every rank's torch RNG and accelerator.step."""
+    full_options = StateDictOptions(full_state_dict=True)
+    full: dict[str, torch.Tensor] = {}
+    for name, t in get_model_state_dict(model, options=full_options).items():
+        full[name] = t.clone()
+    osd = get_optimizer_state_dict(model, opt, options=full_options)
+    for name, s in osd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            full[f"{name}.{key}"] = s[key].clone()
+    full["lr"] = torch.tensor(sched.get_last_lr())
+    draws = [torch.zeros(4) for _ in range(dist.get_world_size())]
+    dist.all_gather(draws, torch.rand(4))  # every rank's RNG, where the run left it
+    full["rng"] = torch.stack(draws)
+    full["accelerate_step"] = torch.tensor(accelerator.step)
+    return full
+
+
+def train_step(accelerator: Accelerator, model, opt, sched, step: int, rank: int) -> torch.Tensor:
+    """One optimizer step on the batch of ``step``; its loss."""
+    x = batch(step, rank)
+    loss = (model(x) - x[:, :8].sin()).square().mean()
+    accelerator.backward(loss)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def snapshot(accelerator: Accelerator, model, opt, sched) -> dict[str, torch.Tensor]:
+    """This rank's training state as FSDP1 holds it: its local (flat or original) parameter
+    shards, their Adam state (moments and step), the LR, accelerator.step and its torch RNG."""
+    out: dict[str, torch.Tensor] = {}
+    for i, p in enumerate(model.parameters()):
+        out[f"param{i}"] = p.detach().clone()
+        for key, v in sorted(opt.optimizer.state[p].items()):
+            out[f"param{i}.{key}"] = torch.as_tensor(v).detach().clone()
+    out["lr"] = torch.tensor(sched.get_last_lr())
+    out["accelerate_step"] = torch.tensor(accelerator.step)
+    out["rng"] = torch.get_rng_state()
+    return out
+
+
+def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors are not bitwise equal (or only one side has)."""
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not
+                  torch.equal(a[k], b[k]))  # fmt: skip
+
+
+def resume_from_import(
+    accelerator: Accelerator, model, opt, sched, step: int, rank: int, args: argparse.Namespace
+) -> None:
+    """Accelerate's own FSDP1 save of this state, imported and resumed (see the top)."""
+    saved = snapshot(accelerator, model, opt, sched)
+    native, imported = args.native, args.imported
+    accelerator.save_state(native)
+    if rank == 0:  # the user's import of it, with the CLI
+        cli = [sys.executable, "-m", "stepvault.cli.main", "--root", imported, "import"]
+        done = subprocess.run(
+            [*cli, native, "--run", args.run, "--step", str(step), "--trust"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        print(f"IMPORT {done.stdout}", flush=True)
+    accelerator.wait_for_everyone()
+
+    def train(n: int) -> dict[str, torch.Tensor]:
+        losses = [train_step(accelerator, model, opt, sched, step + i, rank) for i in range(n)]
+        return {**snapshot(accelerator, model, opt, sched), "losses": torch.stack(losses)}
+
+    expected = train(4)  # the uninterrupted run
+    uninterrupted = final_state(accelerator, model, opt, sched)  # draws from the RNG: after
+    if rank == 0 and args.out:
+        torch.save(uninterrupted, args.out)
+    accelerator.load_state(native)  # Accelerate's own resume of its folder
+    own = differ(snapshot(accelerator, model, opt, sched), saved)
+    own_next = differ(train(4), expected)
+    print(f"OWN-RESUME {rank} state differs: {own} next steps differ: {own_next}", flush=True)
+    from_import = AcceleratorCheckpointer(accelerator, imported, run=args.run, async_save=False)
+    info = from_import.restore()
+    assert info is not None and info.step == step, info
+    wrong = differ(snapshot(accelerator, model, opt, sched), saved)
+    assert not wrong, f"rank {rank}: the import's resume differs in {wrong}"
+    wrong = differ(train(4), expected)
+    assert not wrong, f"rank {rank}: the import's resume trains differently: {wrong}"
+    from_import.close()
+    print(f"IMPORT-RESUME {rank} OK", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
@@ -88,6 +194,11 @@ def main() -> int:
     p.add_argument("--orig-params", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
     p.add_argument("--out", default="")
+    p.add_argument("--native", default="", help="save_state folder to import and resume")
+    p.add_argument("--imported", default="", help="store the --native folder is imported to")
+    p.add_argument(
+        "--no-extra", action="store_true", help="no extra= (resuming an import, which has none)"
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -108,7 +219,7 @@ def main() -> int:
         run=args.run,
         save=Every(steps=args.save_every),
         keep=KeepLast(3),
-        extra=progress,
+        extra=None if args.no_extra else progress,
     )
     info = ckpt.restore()
     step = 0 if info is None else info.step
@@ -123,34 +234,21 @@ def main() -> int:
     while step < args.steps:
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        x = batch(step, rank)
-        loss = (model(x) - x[:, :8].sin()).square().mean()
-        accelerator.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        loss = train_step(accelerator, model, opt, sched, step, rank)
         step += 1
         progress["epoch"] = step // BATCHES_PER_EPOCH
         if ckpt.save(step, epoch=progress["epoch"], metrics={"loss": loss.item()}):
             ckpt.wait()  # committed before the test looks
 
-    full_options = StateDictOptions(full_state_dict=True)
-    full: dict[str, torch.Tensor] = {}
-    for name, t in get_model_state_dict(model, options=full_options).items():
-        full[name] = t.clone()
-    osd = get_optimizer_state_dict(model, opt, options=full_options)
-    for name, s in osd["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            full[f"{name}.{key}"] = s[key].clone()
-    full["lr"] = torch.tensor(sched.get_last_lr())
-    draws = [torch.zeros(4) for _ in range(dist.get_world_size())]
-    dist.all_gather(draws, torch.rand(4))  # every rank's RNG, where the run left it
-    full["rng"] = torch.stack(draws)
-    full["accelerate_step"] = torch.tensor(accelerator.step)
-    ckpt.close()
-    if rank == 0 and args.out:
-        torch.save(full, args.out)
-        print("DONE", flush=True)
+    if args.native:  # the import check (see the top) writes --out
+        ckpt.close()
+        resume_from_import(accelerator, model, opt, sched, step, rank, args)
+    else:
+        full = final_state(accelerator, model, opt, sched)
+        ckpt.close()
+        if rank == 0 and args.out:
+            torch.save(full, args.out)
+            print("DONE", flush=True)
     dist.barrier()
     return 0
 

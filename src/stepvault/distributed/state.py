@@ -48,8 +48,9 @@ def has_dtensor(value: Any) -> bool:
     return False
 
 
-def _pairs(state: Mapping[str, Any]) -> dict[str, str]:
-    """optimizer key -> key of the module that owns all of its parameters."""
+def _pairs(state: Mapping[str, Any], *, refuse: bool = True) -> dict[str, str]:
+    """optimizer key -> key of the module that owns all of its parameters (an optimizer
+    without one is refused, or with ``refuse=False`` left out)."""
     owners = {
         key: {id(p) for p in obj.parameters()}
         for key, obj in state.items()
@@ -61,6 +62,8 @@ def _pairs(state: Mapping[str, Any]) -> dict[str, str]:
             continue
         params = {id(p) for g in obj.param_groups for p in g["params"]}
         owner = next((m for m, ids in owners.items() if params <= ids), None)
+        if owner is None and not refuse:
+            continue
         if owner is None:
             raise StepvaultError(
                 f"state[{key!r}]: a distributed save needs the module this optimizer trains "
@@ -171,16 +174,53 @@ def apply_dcp(state: MutableMapping[str, Any], loaded: dict[str, Any], kinds: di
             state[key] = loaded[key]
 
 
+def _param_fqns(model: torch.nn.Module) -> dict[int, list[str]]:
+    """``id(live parameter)`` -> the names DCP's state dicts give it, in order.
+
+    One name for a parameter of a plain, DDP, compiled, FSDP2 or FSDP1 ``use_orig_params``
+    module (wrapper prefixes such as ``module.`` and ``_fsdp_wrapped_module.`` dropped);
+    for an FSDP1 ``FlatParameter`` (``use_orig_params=False``) the names of every original
+    parameter it holds, in its flattening order, which is the order FSDP1's optimizer state
+    dict lists them in. torch's ``_get_fqns`` is private: it is the mapping
+    ``get_state_dict``/``set_state_dict`` themselves use, so the names agree with theirs.
+    """
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    out: dict[int, list[str]] = {}
+    for name, param in model.named_parameters():
+        fqns = _get_fqns(model, name)
+        inner = getattr(param, "_fqns", None)  # FSDP1 FlatParameter: its originals' names
+        out[id(param)] = _flat_order(fqns, inner, name) if inner else list(fqns)
+    return out
+
+
+def _flat_order(fqns: set[str], inner: list[str], name: str) -> list[str]:
+    """``fqns`` (the full names of a FlatParameter's originals: the common module prefix
+    + each of ``inner``, the names relative to its FSDP module) in ``inner``'s order."""
+    for full in fqns:
+        if full == inner[0] or full.endswith("." + inner[0]):
+            prefix = full[: len(full) - len(inner[0])]
+            ordered = [prefix + rel for rel in inner]
+            if set(ordered) == fqns:
+                return ordered
+    raise StepvaultError(
+        f"{name}: cannot order the names of this FSDP1 flat parameter's originals "
+        f"({sorted(fqns)}); save with use_orig_params=True or FSDP2"
+    )
+
+
 def _fqn_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, native: dict):
     """A native (index-keyed) optimizer state dict re-keyed by parameter name, the form
-    ``set_state_dict`` takes (index i = i-th parameter over the param groups, in order)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    ``set_state_dict`` takes. Index i is the i-th parameter over the param groups, in
+    order, counted as one process holds them: an FSDP1 flat parameter counts as the
+    original parameters it holds (:func:`_param_fqns`)."""
+    names = _param_fqns(model)
+    live_groups = [[f for p in g["params"] for f in names[id(p)]] for g in opt.param_groups]
+    order = [f for fqns in live_groups for f in fqns]
     groups = []
     index_to_name: dict[Any, str] = {}
-    for saved_group, live_group in zip(native["param_groups"], opt.param_groups):
+    for saved_group, fqns in zip(native["param_groups"], live_groups):
         group = dict(saved_group)
-        fqns = [names[id(p)] for p in live_group["params"]]
         index_to_name.update(zip(saved_group["params"], fqns))
         group["params"] = fqns
         groups.append(group)
@@ -189,6 +229,35 @@ def _fqn_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, nat
         for k, v in native["state"].items()
     }
     return {"state": state, "param_groups": groups}
+
+
+class _OptimizerView(torch.optim.Optimizer):
+    """What :func:`validate` compares a checkpoint's optimizer with when the live one is
+    sharded: its param groups list one meta tensor per parameter *name*, with the global
+    shape (an FSDP1 flat parameter as each original parameter it holds; an FSDP1 or FSDP2
+    shard as the whole parameter), as a one-process checkpoint numbers them."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        # No Optimizer.__init__: this view steps nothing, validate reads param_groups only.
+        self.param_groups = param_groups
+
+
+def _optimizer_view(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, shapes: Mapping[str, Any]
+) -> _OptimizerView:
+    """``opt`` as a one-process checkpoint of it looks (see :class:`_OptimizerView`);
+    ``shapes``: the model's state dict by DCP name (its tensors' global shapes)."""
+    names = _param_fqns(model)
+    groups = []
+    for group in opt.param_groups:
+        params = []
+        for p in group["params"]:
+            for fqn in names.get(id(p), []):
+                held = shapes.get(fqn)
+                shape = held.shape if isinstance(held, torch.Tensor) else p.shape
+                params.append(torch.empty(shape, device="meta"))
+        groups.append({"params": params})
+    return _OptimizerView(groups)
 
 
 class _StateDictView(torch.nn.Module):
@@ -216,23 +285,33 @@ def full_checkpoint_problems(
     Modules are compared by DCP's parameter names on both sides (``get_model_state_dict``
     live; DDP's ``module.`` and compile's ``_orig_mod.`` prefixes dropped from the saved
     names), so a checkpoint fits the wrapped live copy of its model, and an FSDP2 DTensor
-    by its global shape. With ``strict`` every live entry, and every key of a live module,
-    must be in the checkpoint. Entries only the checkpoint has are not loaded, as in a
-    DCP load.
+    by its global shape. An optimizer of a module in the state is compared the same way,
+    by parameter name and global shape (an FSDP1 flat parameter as the original parameters
+    it holds), as :func:`restore_full_checkpoint` maps it. With ``strict`` every live
+    entry, and every key of a live module, must be in the checkpoint. Entries only the
+    checkpoint has are not loaded, as in a DCP load.
     """
     from ..state.apply import validate
 
     view: dict[str, Any] = {}
     wanted: dict[str, Any] = {}
+    shapes: dict[str, Mapping[str, Any]] = {}
     for key, obj in state.items():
         view[key] = obj
         if key not in saved:
             continue
         wanted[key] = saved[key]
         if isinstance(obj, torch.nn.Module):
-            view[key] = _StateDictView(get_model_state_dict(obj))
+            shapes[key] = get_model_state_dict(obj)
+            view[key] = _StateDictView(dict(shapes[key]))
             if isinstance(saved[key], Mapping):
                 wanted[key] = {_unwrapped_name(k): v for k, v in saved[key].items()}
+    # An optimizer of a module in the state is compared by parameter name and global
+    # shape, as restore_full_checkpoint maps it: its live parameters may be FSDP1 flat
+    # parameters (several per name) or shards (a local shape).
+    for opt_key, mod_key in _pairs(state, refuse=False).items():
+        if opt_key in wanted and mod_key in shapes:
+            view[opt_key] = _optimizer_view(state[mod_key], state[opt_key], shapes[mod_key])
     return validate(view, wanted, dict(kinds), strict=strict)
 
 
