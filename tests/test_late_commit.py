@@ -263,6 +263,10 @@ def test_a_late_overwrite_of_a_step_visible_at_the_takeover_is_no_checkpoint(ope
         restore(reader, {"w": torch.zeros(64)}, run="r", step=2, mem=False)
     records = {r.step: r for r in checkpoint_records(reader, "r")}
     assert records[1].valid and records[3].valid and not records[2].valid
+    # verify names it: the version the takeover saw was replaced on the store
+    report = verify_store(reader, run="r")
+    bad = {c.step: c.problems for c in report.checkpoints if c.problems}
+    assert list(bad) == [2] and "replaced the checkpoint visible at" in bad[2][0]
     assert restored_value(reader) == (3, 3.0)
     # B's commit of step 2 replaces it (create-only: the refused manifest is removed first).
     save(b, weights(2), run="r", step=2)

@@ -390,7 +390,7 @@ class Store:
     def _late_error(self, run: str, step: int, reason: str) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(
             f"no committed checkpoint {run}@{step} in {self.backend.url}: the manifest there "
-            f"{reason}; it is not part of the run (the owner removes it)"
+            f"{reason}; it is not part of the run (the owner removes it or commits that step anew)"
         )
 
     def _manifest_error(
