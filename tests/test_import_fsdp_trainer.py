@@ -11,6 +11,21 @@ Trainer's own resume of the same folder ends (weights, both Adam moments, LR, ev
 RNG draw). Before, the import left ``optimizer.bin`` out (the resume started the optimizer
 fresh), refused the sharded folder, and the sharded resume found no TrainerState to place
 the data by.
+
+The job checkpoints at 12 and resumes to 16 (5 steps an epoch: across the boundary at 15).
+
+FSDP -> DDP: the import is a one-process checkpoint, so the same Trainer job under plain DDP
+(``scripts/transformers_ddp_resume.py``: 2 processes, torchrun, no ``fsdp``) resumes from
+it: it starts from the FSDP2 job's state at 12 bitwise (full weights, both AdamW moments,
+LR) and ends at 16 bitwise where the Trainer's own FSDP2 resume of the folder ends (and
+each rank with the RNG state the same rank saved). The Trainer's own resume under DDP does
+not read the FSDP folder (transformers 5.25 loads ``optimizer.pt`` when FSDP is off; read in
+its code, not run). Why 12 -> 16 and not 4 -> 8: step 5's gradient norm (1.026) is over
+the Trainer's ``max_grad_norm`` (1.0), and the clipping factor comes from a total norm that
+FSDP2 sums shard by shard and DDP over full tensors: the last bits differ (measured: 80 of
+88 tensors at 8 differ, the embedding by 4e-9 at most; the restored state at 4, the LR and
+the RNG draws are equal).
+Steps 13-16 are not clipped, so the two layouts compute the same bits.
 """
 
 from __future__ import annotations
@@ -37,14 +52,15 @@ pytestmark = [
 ]
 
 SCRIPT = Path(__file__).parent / "scripts" / "transformers_sharded_train.py"
+DDP_SCRIPT = SCRIPT.parent / "transformers_ddp_resume.py"
 
 
-def _run(*args: str, timeout: float = 400) -> str:
+def _run(*args: str, script: Path = SCRIPT, timeout: float = 400) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     done = subprocess.run(
-        [*cmd, "--nproc_per_node", "2", str(SCRIPT), *args],
+        [*cmd, "--nproc_per_node", "2", str(script), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -62,12 +78,13 @@ def test_trainer_fsdp2_checkpoint_import_resumes_bitwise_like_the_trainers_own(
     tmp_path, state_dict_type, optimizer_file
 ):
     common = ["--shard", "fsdp2", "--save-every", "4", "--state-dict-type", state_dict_type]
-    native = tmp_path / "native"
-    _run(*common, "--backend", "native", "--root", str(native), "--max-steps", "4")
-    folder = native / "checkpoint-4"
+    native, at12 = tmp_path / "native", tmp_path / "at12.pt"
+    _run(*common, "--backend", "native", "--root", str(native), "--max-steps", "12",
+         "--final", str(at12))  # fmt: skip
+    folder = native / "checkpoint-12"
     files = set(os.listdir(folder))
     assert {optimizer_file, "rng_state_1.pth", "trainer_state.json"} <= files, files
-    theirs = tmp_path / "theirs"  # the Trainer's own resume writes checkpoint-8 beside it
+    theirs = tmp_path / "theirs"  # the Trainer's own resume writes checkpoint-16 beside it
     shutil.copytree(native, theirs)
 
     store = tmp_path / "store"
@@ -80,16 +97,36 @@ def test_trainer_fsdp2_checkpoint_import_resumes_bitwise_like_the_trainers_own(
     )
     assert done.returncode == 0, done.stderr
     assert "missing" not in done.stdout, done.stdout
-    kinds = stepvault.open(store).manifest("gpt", 4).state_kinds
+    kinds = stepvault.open(store).manifest("gpt", 12).state_kinds
     assert kinds["optimizer"] == "optimizer" and "rng_ranks" in kinds, kinds
+    ddp_store = tmp_path / "ddp-store"  # the import as it is, for the DDP resume below
+    shutil.copytree(store, ddp_store)
 
     ours_final, theirs_final = tmp_path / "ours.pt", tmp_path / "theirs.pt"
-    out = _run(*common, "--root", str(store), "--max-steps", "8", "--resume",
+    out = _run(*common, "--root", str(store), "--max-steps", "16", "--resume",
                "--final", str(ours_final))  # fmt: skip
-    assert "RESUMED 4 skipped=0" in out, out
-    _run(*common, "--backend", "native", "--root", str(theirs), "--max-steps", "8",
+    assert "RESUMED 12 skipped=0" in out, out
+    _run(*common, "--backend", "native", "--root", str(theirs), "--max-steps", "16",
          "--resume", "--final", str(theirs_final))  # fmt: skip
     want, got = torch.load(theirs_final), torch.load(ours_final)
     assert want.keys() == got.keys() and any(k.startswith("exp_avg_sq.") for k in want)
     differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, differ
+
+    # The same import resumed under DDP (no fsdp): the FSDP2 state at 12, then the same end.
+    restored, ddp_final = tmp_path / "restored.pt", tmp_path / "ddp.pt"
+    out = _run("--root", str(ddp_store), "--max-steps", "16", "--restored", str(restored),
+               "--final", str(ddp_final), script=DDP_SCRIPT)  # fmt: skip
+    assert "RESUMED 12 skipped=0" in out, out
+    state = [k for k in want if k.split(".")[0] in ("w", "exp_avg", "exp_avg_sq")]
+    assert any(k.startswith("exp_avg_sq.") for k in state), sorted(want)
+    _equal(torch.load(at12), torch.load(restored), [*state, "lr"])
+    _equal(want, torch.load(ddp_final), [*state, "lr", "rng.rank0", "rng.rank1"])
+    vault = stepvault.open(ddp_store)
+    assert vault.steps("gpt") == [12, 16] and not vault.manifest("gpt", 16).sharded  # DDP's
+
+
+def _equal(want: dict, got: dict, keys: list[str]) -> None:
+    assert keys and all(k in got for k in keys), sorted(set(keys) - set(got))
+    differ = [k for k in keys if not torch.equal(want[k], got[k])]
     assert not differ, differ
