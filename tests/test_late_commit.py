@@ -33,7 +33,7 @@ from stepvault.catalog import checkpoint_records
 from stepvault.cli.main import app
 from stepvault.core.restore import restore
 from stepvault.core.write import save
-from stepvault.errors import CheckpointExistsError, CheckpointNotFoundError, LeaseLostError
+from stepvault.errors import CheckpointNotFoundError, LeaseLostError
 from stepvault.manager.leasing import LeaseKeeper
 from stepvault.manager.scope import fenced
 from stepvault.ops.verify import verify_store
@@ -97,12 +97,14 @@ def held_write(store: Store, step: int) -> Iterator[tuple[threading.Event, threa
         delattr(backend, name)
 
 
-def late_save(store: Store, step: int) -> tuple[threading.Thread, list[BaseException]]:
+def late_save(
+    store: Store, step: int, *, overwrite: bool = False
+) -> tuple[threading.Thread, list[BaseException]]:
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            save(store, weights(100 + step), run="r", step=step)
+            save(store, weights(100 + step), run="r", step=step, overwrite=overwrite)
         except BaseException as exc:  # reported to the test
             errors.append(exc)
 
@@ -184,21 +186,23 @@ def test_a_manifest_landing_after_a_takeover_is_never_a_checkpoint(open_store, t
     assert open_store().list_steps("r") == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_late_manifest_never_replaces_the_new_owners_checkpoint(open_store):
-    """A's held write is of a step that B commits first: create-only keeps B's; and a late
-    manifest that got there first does not block B's commit of that step."""
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_late_manifest_never_replaces_the_new_owners_checkpoint(open_store, overwrite):
+    """A's held write is of a step that B commits first: create-only keeps B's, also for
+    ``overwrite=True`` (the manager's saves), which commits create-only when the step is
+    not there; A learns that it lost the run."""
     a = open_store()
     fenced(acquire_lease(a, "r", stale_after=TTL))
     save(a, weights(1), run="r", step=1)
     with held_write(a, 2) as (reached, release):
-        thread, errors = late_save(a, 2)
+        thread, errors = late_save(a, 2, overwrite=overwrite)
         assert reached.wait(60)
         b = takeover(open_store)
         save(b, weights(2), run="r", step=2)
         mine = b.backend.read_bytes(b.manifest_key("r", 2))
         release.set()
         thread.join(60)
-    assert len(errors) == 1 and isinstance(errors[0], CheckpointExistsError)
+    assert len(errors) == 1 and isinstance(errors[0], LeaseLostError), errors
     reader = open_store()
     assert reader.backend.read_bytes(reader.manifest_key("r", 2)) == mine  # B's, intact
     assert reader.list_steps("r") == [1, 2]

@@ -137,7 +137,14 @@ class Lease:
                 # No lock: a conditional renewal proves ownership and restarts the stale
                 # clock, so no takeover is possible for ``stale_after`` from now.
                 self._renew_locked(what)
-            yield
+            try:
+                yield
+            except FileExistsError:
+                # A create-only commit found the step taken: by the new owner, when this
+                # write reached the store after a takeover; then the lost lease is the error.
+                if not backend.exclusive_is_atomic:
+                    self._confirm(what)
+                raise
             if not backend.exclusive_is_atomic:
                 # The write may have reached the store after a takeover (held up in a
                 # partition): then readers ignore it (the fence rule) and this writer must
