@@ -225,7 +225,7 @@ def main() -> int:
     p.add_argument("--backend", choices=["stepvault", "native"], default="stepvault")
     p.add_argument("--root", required=True, help="the store (stepvault) or output_dir")
     p.add_argument("--max-steps", type=int, default=12)
-    p.add_argument("--state-dict-type", default="FULL_STATE_DICT", help="FSDP2, native saves")
+    p.add_argument("--state-dict-type", default="FULL_STATE_DICT", help="FSDP, native saves")
     p.add_argument("--save-every", type=int, default=4)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--hold-after", type=int, default=0)
@@ -284,6 +284,8 @@ def main() -> int:
             "sync_module_states": False,  # FSDP1 syncs module states on a GPU only
             "transformer_layer_cls_to_wrap": ["GPT2Block"],
         }
+        if args.state_dict_type != "FULL_STATE_DICT":  # FULL: torch's FSDP1 fails on CPU
+            options["fsdp_config"]["state_dict_type"] = args.state_dict_type
     training_args = TrainingArguments(**options)
     callbacks: list = []
     ckpt = None
