@@ -216,6 +216,8 @@ def main() -> int:
     results["warm"] = warm
     print("  warm:", {k: f"{median(v):.3f}" for k, v in warm.items()}, flush=True)
     results["phases"] = warm_phases(sv, live, via_safetensors, args.repeats)
+    results["adam"] = warm_adam(work, args.size_mb, max(5, args.repeats))
+    print("  adam:", {k: f"{median(v):.3f}" for k, v in results["adam"].items()}, flush=True)
     results["copy_speeds"] = copy_speeds()
     print("  phases:", {k: f"{median(v):.3f}" for k, v in results["phases"].items()}, flush=True)
 
@@ -320,6 +322,85 @@ def warm_phases(
             fn()
             out[label].append(time.perf_counter() - t0)
             out[f"{label} cpu"].append(cpu() - c0)
+    return out
+
+
+ADAM_PEERS = {
+    "safetensors": "safetensors load+copy",
+    "in place": "stepvault, moments into the live optimizer's",
+    "fresh": "stepvault, moments into fresh memory",
+}
+
+
+def warm_adam(work: Path, size_mb: int, repeats: int) -> dict[str, list[float]]:
+    """A model + AdamW state (2/3 of its bytes are moments), warm, into a live model and an
+    optimizer that has state (an in-process restore: a rollback): wall and CPU of the
+    process, peers alternated. stepvault places the moments into the live optimizer's
+    tensors, or builds them in fresh memory (what it did before, and what a new process
+    gets: an optimizer without state; toggled here by placing nothing into the
+    optimizer). safetensors: ``load_file`` (zero-copy: views of its private file mapping)
+    + ``copy_`` into the live parameters and moments."""
+    from safetensors.torch import load_file, save_file
+
+    from stepvault.state import placement
+
+    width = 2048
+    layers = max(1, (size_mb << 20) // 3 // (width * width * 4))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    root, st = work / "adam-store", work / "adam.safetensors"
+    stepvault.save(root, {"model": model, "optimizer": opt}, run="adam", step=1)
+    params = dict(model.state_dict())
+    flat = {f"model.{k}": v for k, v in params.items()}
+    for i, p in enumerate(model.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            flat[f"opt.{i}.{k}"] = opt.state[p][k]
+    save_file(flat, str(st))
+    place = placement._place_optimizer
+
+    def safetensors_copy() -> None:
+        loaded = load_file(str(st))
+        with torch.no_grad():
+            for k, t in params.items():
+                t.copy_(loaded[f"model.{k}"])
+            for i, p in enumerate(model.parameters()):
+                for k in ("exp_avg", "exp_avg_sq"):
+                    opt.state[p][k].copy_(loaded[f"opt.{i}.{k}"])
+
+    def restore(in_place: bool) -> Callable[[], None]:
+        def fresh(opt: Any, saved: Any, reader: Any, copies: Any, into: Any) -> Any:
+            return placement._materialize(saved, reader, into)
+
+        def run() -> None:
+            placement._place_optimizer = place if in_place else fresh  # type: ignore[assignment]
+            try:
+                stepvault.restore(root, {"model": model, "optimizer": opt}, run="adam", step=1)
+            finally:
+                placement._place_optimizer = place
+
+        return run
+
+    peers = {
+        ADAM_PEERS["safetensors"]: safetensors_copy,
+        ADAM_PEERS["in place"]: restore(True),
+        ADAM_PEERS["fresh"]: restore(False),
+    }
+    out: dict[str, list[float]] = {}
+    for fn in peers.values():
+        fn()  # warm-up
+    for r in range(repeats):
+        order = list(peers.items())
+        for label, fn in order[r % 3 :] + order[: r % 3]:
+            t0, c0 = time.perf_counter(), cpu()
+            fn()
+            out.setdefault(label, []).append(time.perf_counter() - t0)
+            out.setdefault(f"{label} cpu", []).append(cpu() - c0)
+    out["bytes"] = [float(sum(t.nbytes for t in flat.values()))]
+    shutil.rmtree(root, ignore_errors=True)
+    st.unlink()
     return out
 
 
@@ -497,6 +578,31 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
             "bytes as safetensors' copy; verification is one more read of every byte, and "
             "cannot overlap placement (nothing is placed before the last object verified). "
             f"Floor of a verified restore here: (verify + place) / safetensors = **{floor:.2f}x**.",
+        ]
+    if res.get("adam"):
+        ad = {k: median(v) for k, v in res["adam"].items()}
+        base, base_cpu = ad[ADAM_PEERS["safetensors"]], ad[ADAM_PEERS["safetensors"] + " cpu"]
+        lines += [
+            "",
+            f"Warm restore of a model + AdamW state ({ad['bytes'] / 1e9:.2f} GB, 2/3 of it "
+            "moments) into a live model and an optimizer that has state (an in-process "
+            "restore, a rollback); a new process's optimizer has no state and gets fresh "
+            "moments. safetensors: `load_file` (zero-copy, its private file mapping) + "
+            "`copy_` into the live parameters and moments. CPU of every thread:",
+            "",
+            table(
+                ["read", "seconds", "CPU-s", "vs safetensors (wall)", "vs safetensors (CPU)"],
+                [
+                    [
+                        label,
+                        f"{ad[label]:.3f}",
+                        f"{ad[label + ' cpu']:.3f}",
+                        f"{ad[label] / base:.2f}x",
+                        f"{ad[label + ' cpu'] / base_cpu:.2f}x",
+                    ]
+                    for label in ADAM_PEERS.values()
+                ],
+            ),
         ]
     if res.get("copy_speeds"):
         cs = {k: median(v) for k, v in res["copy_speeds"].items()}
