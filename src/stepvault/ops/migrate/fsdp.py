@@ -18,6 +18,10 @@ renumbered as ``Optimizer.state_dict()`` numbers its parameters, and every rank'
 (``rng`` holds rank 0's state and, when several processes saved, ``ranks`` each rank's,
 the layout the Trainer integration writes). Everything here is a pickle (DCP metadata
 included): the import needs ``trust=True``.
+
+FSDP1 and FSDP2 folders are read alike: FSDP1's DCP state dicts (flat parameters or
+``use_orig_params``) name and shape the original parameters too, and a resume on FSDP1
+ranks maps them onto the flat shards by name (:mod:`stepvault.distributed.state`).
 """
 
 from __future__ import annotations
