@@ -155,6 +155,13 @@ def test_accelerate_per_rank_fsdp_folder_is_refused_naming_the_layout_and_the_wa
     done = cli(store, "import", str(folder), "--run", "acc")  # no --step, no --trust
     assert done.exit_code != 0 and "pytorch_model_fsdp_0_rank0.bin" in done.output, done.output
     assert "one file per rank" in done.output and "records no step" not in done.output
+    # The HF Trainer's checkpoint-N under FSDP LOCAL_STATE_DICT (pytorch_model_fsdp_rank<r>.bin
+    # beside trainer_state.json) is an HF folder: the same refusal, not "no model weights"
+    (folder / "pytorch_model_fsdp_0_rank0.bin").rename(folder / "pytorch_model_fsdp_rank0.bin")
+    (folder / "trainer_state.json").write_text('{"global_step": 1, "log_history": []}')
+    done = cli(store, "import", str(folder), "--run", "acc", "--trust")
+    assert done.exit_code != 0 and "pytorch_model_fsdp_rank0.bin" in done.output, done.output
+    assert "one file per rank" in done.output and "no model weights" not in done.output
     assert not store.exists()
 
 

@@ -170,13 +170,15 @@ def per_rank_fsdp_refusal(path: str, files: list[str]) -> str:
     return (
         f"{path}: an Accelerate FSDP folder saved one file per rank without "
         f"torch.distributed.checkpoint ({shown}: `save_fsdp_model`/`save_fsdp_optimizer` with "
-        "use_dcp=False, or fsdp_state_dict_type LOCAL_STATE_DICT). Each file holds one rank's "
-        "shards as pickled ShardedTensor/DTensor objects, which stepvault does not import. "
-        "Way out: load it in the same job (same world size, Accelerate's load with "
-        "use_dcp=False) and save it again with DCP: `accelerator.save_state(DIR)` with "
-        "fsdp_state_dict_type SHARDED_STATE_DICT (its default use_dcp=True, FSDP2 or FSDP1) or "
-        "FULL_STATE_DICT, then `stepvault import DIR --run R --step N --trust`; or checkpoint "
-        "the job with stepvault.integrations.accelerate.AcceleratorCheckpointer"
+        "use_dcp=False, or fsdp_state_dict_type LOCAL_STATE_DICT, also through the HF "
+        "Trainer). Each file holds one rank's shards as pickled ShardedTensor/DTensor "
+        "objects, which stepvault does not import. Way out: load it in the same job (same "
+        "world size, Accelerate's load with use_dcp=False) and save it again with DCP: "
+        "`accelerator.save_state(DIR)` with fsdp_state_dict_type SHARDED_STATE_DICT (its "
+        "default use_dcp=True, FSDP2 or FSDP1) or FULL_STATE_DICT (the Trainer: that "
+        "state_dict_type in fsdp_config), then `stepvault import DIR --run R --step N "
+        "--trust`; or checkpoint the job with stepvault (AcceleratorCheckpointer, "
+        "StepvaultTrainer)"
     )
 
 

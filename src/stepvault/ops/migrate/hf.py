@@ -23,7 +23,7 @@ import torch
 
 from ...errors import StepvaultError
 from .base import ImportedState, Importer, is_flat_state_dict, kind_for, plain, read_json, step_from
-from .dcp import optimizers_by_index
+from .dcp import optimizers_by_index, per_rank_fsdp_files, per_rank_fsdp_refusal
 from .fsdp import is_fsdp_folder, read_fsdp_parts
 from .pickles import load_pickle
 from .safetensors_file import load_safetensors
@@ -192,6 +192,9 @@ def read_hf_checkpoint(folder: str, *, trust: bool = False) -> ImportedState:
     imported = ImportedState("hf", os.path.abspath(folder), {}, {})
     tree, files = imported.tree, imported.files
     names = sorted(os.listdir(folder))
+    per_rank = per_rank_fsdp_files(folder)  # the Trainer under FSDP LOCAL_STATE_DICT
+    if per_rank and not set(names) & set(HF_WEIGHTS):
+        raise StepvaultError(per_rank_fsdp_refusal(folder, per_rank))
     if is_fsdp_folder(folder) and not set(names) & set(HF_WEIGHTS):
         # The Trainer in FSDP SHARDED_STATE_DICT mode: the model and optimizer are DCP
         # folders (pytorch_model_fsdp_0/, optimizer_0/), consolidated here (see .fsdp)
