@@ -23,6 +23,10 @@ Supported inputs (``format=`` forces one, otherwise it is detected):
     ``scheduler.bin``, ``random_states_<rank>.pkl``) goes the same way and becomes one
     checkpoint in ``AcceleratorCheckpointer``'s layout (:mod:`.fsdp`); a Trainer FSDP
     ``checkpoint-N`` is an ``hf`` folder whose model and optimizer are read likewise.
+    FSDP files written one per rank without DCP (``pytorch_model_fsdp_<i>_rank<r>.bin``,
+    ``optimizer_<i>_rank<r>.bin``: Accelerate's ``use_dcp=False``; ``LOCAL_STATE_DICT``'s
+    ``pytorch_model_fsdp_rank<r>.bin``) are refused, naming the way out
+    (:func:`.dcp.per_rank_fsdp_refusal`).
 
 Each format is one module here with one :class:`Importer` (``detect(path)``, ``read(path)``
 → :class:`ImportedState`, the tensors and values in memory); :data:`IMPORTERS` lists them
