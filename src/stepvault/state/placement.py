@@ -89,7 +89,9 @@ def _place_optimizer(
             target = live.get(k)
             if (
                 isinstance(value, PendingArray)
-                and isinstance(target, torch.Tensor)
+                # plain tensors only: a DTensor's (FSDP2) or a subclass's bytes are not its
+                # storage; those get fresh ones, as before
+                and type(target) is torch.Tensor
                 and reader.read_into(value.name, target, copies=copies)
             ):
                 state[pid][k] = target
