@@ -115,6 +115,7 @@ class Job:
     args: tuple[str, ...] = ()
     epoch: int = 8
     writes_out: bool = True  # --out FILE; else the example's ``FINAL <digest>`` line
+    kill_after: int = 8  # SIGKILL once a checkpoint at this step or later is committed
 
 
 JOBS = {
@@ -128,6 +129,7 @@ JOBS = {
         None,
         ("--run-name", "acc", "--steps", "40", "--save-every", "10"),
         writes_out=False,
+        kill_after=20,
     ),
 }
 
@@ -193,11 +195,11 @@ def test_accelerate_launch_killed_and_resumed_is_bitwise(tmp_path, kind):
     assert "FRESH" in out and (job.launched is None or f"LAUNCH-CONFIG {job.launched}" in out)
     ref = final(job, out, ref_path)
 
-    # SIGKILL to the launcher and both workers once a step past the first epoch is committed
-    # (16 for DDP, which saves every 10): the resume starts before a later epoch boundary
-    # and crosses it.
+    # SIGKILL to the launcher and both workers once a checkpoint at `kill_after` or later is
+    # committed: the resume starts before a later epoch boundary (every 8 steps in all three
+    # jobs) and crosses it.
     root = tmp_path / "killed"
-    min_step = 8 if job.writes_out else 20
+    min_step = job.kill_after
     steps, status = kill_job_when_saved(
         launch(root, "--step-sleep", "0.2"), root, job.run, min_step=min_step
     )
