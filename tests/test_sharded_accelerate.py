@@ -172,18 +172,35 @@ def test_accelerate_fsdp1_folder_imports_and_resumes_bitwise(tmp_path, orig_para
     (which, in the same process, is bitwise too). Then new processes resume from the import
     and end where the uninterrupted run ends (full weights, both Adam moments, LR, every
     rank's RNG draw), and one process (evaluation) restores the plain model and AdamW equal
-    to torch's own reading of the folder. Before, the restore refused: the fit check and the
-    optimizer mapping compared the imported moments with FSDP1's flat local parameters."""
+    to torch's own reading of the folder. A one-process checkpoint whose optimizer does not
+    fit (by parameter name) is refused on both ranks and changes nothing. Before, the
+    restore refused the import: the fit check and the optimizer mapping compared the
+    imported moments with FSDP1's flat local parameters."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    spec = importlib.util.spec_from_file_location("accelerate_fsdp1_train", FSDP1_SCRIPT)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    # A one-process checkpoint of the same model whose AdamW trains the first layer only:
+    # the job must refuse it (optimizer by parameter name) and change nothing.
+    mismatched = tmp_path / "mismatched"
+    plain = worker.build()
+    part = torch.optim.AdamW(plain[0].parameters(), lr=1e-2)
+    plain(torch.randn(4, 16)).square().mean().backward()
+    part.step()
+    stepvault.save(mismatched, {"model": plain, "optimizer": part}, run="accfsdp1", step=6)
 
     common = ["--orig-params"] if orig_params else []
     native, imported, ref = tmp_path / "native", tmp_path / "imported", tmp_path / "ref.pt"
     out = run_job(torchrun(FSDP1_SCRIPT, *common, "--root", str(tmp_path / "store"), "--steps",
                            "6", "--native", str(native), "--imported", str(imported), "--out",
-                           str(ref)))  # fmt: skip
+                           str(ref), "--mismatched", str(mismatched)))  # fmt: skip
     assert "missing" not in out.split("IMPORT ", 1)[1].split("OWN-RESUME")[0], out
     for rank in (0, 1):
         assert f"OWN-RESUME {rank} state differs: [] next steps differ: []" in out, out
+        refused = next(line for line in out.splitlines() if line.startswith(f"REFUSED {rank}"))
+        assert "nothing was changed" in refused, refused
+        assert "optimizer: param group 0 has 2 params in checkpoint, 4 live" in refused, refused
         assert f"IMPORT-RESUME {rank} OK" in out, out
 
     final = tmp_path / "final.pt"  # a new job resumes from the import
@@ -201,9 +218,6 @@ def test_accelerate_fsdp1_folder_imports_and_resumes_bitwise(tmp_path, orig_para
         dcp_to_torch_save(native / part, tmp_path / f"{part}.pt")
     weights = torch.load(tmp_path / "pytorch_model_fsdp_0.pt")["model"]
     moments = torch.load(tmp_path / "optimizer_0.pt")["optimizer"]["state"]
-    spec = importlib.util.spec_from_file_location("accelerate_fsdp1_train", FSDP1_SCRIPT)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
     plain = worker.build()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     stepvault.restore(imported, {"model": plain, "optimizer": opt}, run="accfsdp1", step=6,

@@ -22,7 +22,9 @@ then goes to ``--out``), resumes with Accelerate's own ``load_state`` of the fol
 (printing ``OWN-RESUME <r>`` and what of its state differs from the saved one), trains 4
 steps, then resumes through ``AcceleratorCheckpointer`` from the import: its local shards,
 Adam moments, LR, ``accelerator.step`` and RNG must equal those at the save and the next 4
-steps the uninterrupted ones, bitwise (``IMPORT-RESUME <r> OK``). ``--root ROOT
+steps the uninterrupted ones, bitwise (``IMPORT-RESUME <r> OK``). Before that, with
+``--mismatched ROOT2``, a restore from ROOT2 (a one-process checkpoint that does not fit)
+must be refused on every rank (``REFUSED <r> <message>``) and change nothing. ``--root ROOT
 --no-extra`` then resumes from the import in new processes (the import holds no
 ``extra``).
 
@@ -53,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from stepvault.errors import StateMismatchError
 from stepvault.integrations.accelerate import AcceleratorCheckpointer
 from stepvault.policy import Every, KeepLast
 
@@ -174,6 +177,18 @@ def resume_from_import(
     own = differ(snapshot(accelerator, model, opt, sched), saved)
     own_next = differ(train(4), expected)
     print(f"OWN-RESUME {rank} state differs: {own} next steps differ: {own_next}", flush=True)
+    if args.mismatched:  # a one-process checkpoint that does not fit: refused, nothing changed
+        before = snapshot(accelerator, model, opt, sched)
+        other = AcceleratorCheckpointer(accelerator, args.mismatched, run=args.run)
+        try:
+            other.restore(strict=False)
+        except StateMismatchError as exc:
+            print(f"REFUSED {rank} {exc}".replace("\n", " "), flush=True)
+        else:
+            raise AssertionError(f"rank {rank}: {args.mismatched} was restored")
+        other.close()
+        wrong = differ(snapshot(accelerator, model, opt, sched), before)
+        assert not wrong, f"rank {rank}: a refused restore changed {wrong}"
     from_import = AcceleratorCheckpointer(accelerator, imported, run=args.run, async_save=False)
     info = from_import.restore()
     assert info is not None and info.step == step, info
@@ -196,6 +211,7 @@ def main() -> int:
     p.add_argument("--out", default="")
     p.add_argument("--native", default="", help="save_state folder to import and resume")
     p.add_argument("--imported", default="", help="store the --native folder is imported to")
+    p.add_argument("--mismatched", default="", help="a store whose checkpoint must be refused")
     p.add_argument(
         "--no-extra", action="store_true", help="no extra= (resuming an import, which has none)"
     )
