@@ -1,6 +1,6 @@
 """Accelerate jobs started the way Accelerate's users start them: ``accelerate launch
 --config_file <yaml>`` with a 2-process config (CPU, gloo), not ``torchrun`` (which every
-other Accelerate multi-process test uses): FSDP2, DeepSpeed ZeRO-2 and DDP.
+other Accelerate multi-process test uses): FSDP2, FSDP1, DeepSpeed ZeRO-2 and DDP.
 
 What ``accelerate launch`` does with such a config (accelerate 1.16,
 ``accelerate/commands/launch.py``): ``distributed_type: FSDP`` selects its
@@ -11,7 +11,8 @@ variables (``ACCELERATE_USE_FSDP``, ``FSDP_VERSION=2``, ...). A ``MULTI_CPU`` co
 one process unless an MPI hostfile is given, so FSDP on CPU goes through the FSDP config.
 The FSDP2 worker (``tests/scripts/accelerate_fsdp2_train.py``) keeps its test-only patch: on
 CPU processes Accelerate itself trains with DDP whatever the config says (its FSDP type is
-honoured only for GPU-like devices), and the patch sets the FSDP type before ``prepare``.
+honoured only for GPU-like devices), and the patch sets the FSDP type before ``prepare``;
+the FSDP1 worker (``tests/scripts/accelerate_fsdp1_train.py``, flat parameters) likewise.
 ``distributed_type: DEEPSPEED`` selects ``deepspeed_launcher``, which on one machine also
 runs the elastic agent in the launcher's process; the DeepSpeed worker
 (``tests/scripts/accelerate_deepspeed_train.py``, no patch) then leaves the plugin to
@@ -23,12 +24,12 @@ processes; ``MULTI_CPU`` would start one) runs ``examples/accelerate_train.py`` 
 Each job is SIGKILLed (launcher and workers, as a lost node ends it) after a committed
 checkpoint and started again with ``accelerate launch``: it resumes before an epoch
 boundary, crosses it and ends bitwise equal to an uninterrupted ``accelerate launch`` run
-(FSDP2 and ZeRO-2: weights, both AdamW moments, LR, ``accelerator.step``, every rank's RNG
-draw; DDP: the example's digest of the final weights). FSDP2 also: SIGTERM to the launcher
-alone (a container's PID 1): the elastic agent forwards it to the workers, which write one
-preemption checkpoint and exit 143; the launcher itself exits 143 (Accelerate turns the
-agent's ``SignalException`` into ``128 + signal``; ``torchrun`` exits 1). The job started
-again resumes from that checkpoint, bitwise.
+(FSDP2, FSDP1 and ZeRO-2: weights, both AdamW moments, LR, ``accelerator.step``, every
+rank's RNG draw; DDP: the example's digest of the final weights). FSDP2 also: SIGTERM to
+the launcher alone (a container's PID 1): the elastic agent forwards it to the workers,
+which write one preemption checkpoint and exit 143; the launcher itself exits 143
+(Accelerate turns the agent's ``SignalException`` into ``128 + signal``; ``torchrun`` exits
+1). The job started again resumes from that checkpoint, bitwise.
 
 ``extended``: a multi-process framework test outside CI's 30 minutes (``-m extended``).
 """
@@ -83,6 +84,21 @@ fsdp_config:
   fsdp_cpu_ram_efficient_loading: false
 """
 
+#: The FSDP1 worker builds its own plugin (flat parameters, each Linear its own unit) and
+#: prints no config line: the config picks the launcher, as for a user's FSDP1 job.
+FSDP1 = """\
+distributed_type: FSDP
+mixed_precision: 'no'
+fsdp_config:
+  fsdp_version: 1
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_auto_wrap_policy: NO_WRAP
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_use_orig_params: false
+  fsdp_offload_params: false
+  fsdp_cpu_ram_efficient_loading: false
+"""
+
 #: ``{ds}``: the DeepSpeed JSON beside the config (torch AdamW needs
 #: ``zero_allow_untested_optimizer``, which the yaml's own fields cannot say).
 DEEPSPEED = """\
@@ -120,6 +136,7 @@ class Job:
 
 JOBS = {
     "fsdp2": Job(FSDP2, SCRIPTS / "accelerate_fsdp2_train.py", "accfsdp", "fsdp_version=2"),
+    "fsdp1": Job(FSDP1, SCRIPTS / "accelerate_fsdp1_train.py", "accfsdp1", None),
     "deepspeed": Job(DEEPSPEED, SCRIPTS / "accelerate_deepspeed_train.py", "accds", "zero_stage=2"),
     # examples/accelerate_train.py: 16 batches a rank an epoch, 2 accumulated a step.
     "ddp": Job(
