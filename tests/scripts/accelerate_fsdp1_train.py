@@ -25,8 +25,8 @@ Adam moments, LR, ``accelerator.step`` and RNG must equal those at the save and 
 steps the uninterrupted ones, bitwise (``IMPORT-RESUME <r> OK``). Before that, with
 ``--mismatched ROOT2``, a restore from ROOT2 (a one-process checkpoint that does not fit)
 must be refused on every rank (``REFUSED <r> <message>``) and change nothing. ``--root ROOT
---no-extra`` then resumes from the import in new processes (the import holds no
-``extra``).
+--not-strict`` then resumes from the import in new processes (``restore(strict=False)``:
+the import holds no ``extra``, which keeps its values).
 
 TEST-ONLY PATCH: Accelerate honours an FSDP plugin only for GPU-like distributed types;
 on CPU processes it silently trains with DDP. ``cpu_fsdp1_accelerator`` sets the FSDP
@@ -213,7 +213,7 @@ def main() -> int:
     p.add_argument("--imported", default="", help="store the --native folder is imported to")
     p.add_argument("--mismatched", default="", help="a store whose checkpoint must be refused")
     p.add_argument(
-        "--no-extra", action="store_true", help="no extra= (resuming an import, which has none)"
+        "--not-strict", action="store_true", help="restore(strict=False): an import has no extra"
     )
     args = p.parse_args()
 
@@ -235,9 +235,9 @@ def main() -> int:
         run=args.run,
         save=Every(steps=args.save_every),
         keep=KeepLast(3),
-        extra=None if args.no_extra else progress,
+        extra=progress,
     )
-    info = ckpt.restore()
+    info = ckpt.restore(strict=not args.not_strict)
     step = 0 if info is None else info.step
     if rank == 0:
         print(
