@@ -151,7 +151,10 @@ def validate(
     for key, obj in state.items():
         if key not in restored:
             if strict:
-                problems.append(f"{key}: not in checkpoint (it has: {', '.join(restored)})")
+                problems.append(
+                    f"{key}: not in checkpoint (it has: {', '.join(restored)}); restore with "
+                    "strict=False to keep its live value"
+                )
             continue
         saved, saved_kind = restored[key], kinds.get(key, "value")
         live_kind = kind_of(obj)
