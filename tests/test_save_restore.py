@@ -127,7 +127,9 @@ def test_missing_and_unexpected_keys(tmp_path):
     model = make_model()
     stepvault.save(tmp_path, {"model": model}, run="r", step=1)
     live = {"model": make_model(), "extra": 1}
-    with pytest.raises(stepvault.errors.StateMismatchError, match="extra: not in checkpoint.*strict=False"):
+    with pytest.raises(
+        stepvault.errors.StateMismatchError, match="extra: not in checkpoint.*strict=False"
+    ):
         stepvault.restore(tmp_path, live, run="r")
     info = stepvault.restore(tmp_path, live, run="r", strict=False)
     assert info.step == 1 and live["extra"] == 1
