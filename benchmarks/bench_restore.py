@@ -1,6 +1,8 @@
 """Restore at the storage limit (issue 31): verification cost per checksum, warm and cold
-restores against safetensors and a parallel raw read, one tensor with ``mmap=True``
-against ``safe_open``, and the save with and without the recorded segment checksums.
+restores against safetensors and a parallel raw read, a model + AdamW state into a live
+optimizer, the warm restore with glibc's streaming-store copies (child processes), one
+tensor with ``mmap=True`` against ``safe_open``, and the save with and without the
+recorded segment checksums.
 
     .venv/bin/python benchmarks/bench_restore.py [--size-mb 512] [--repeats 3] [--out BENCHMARKS.md]
 
@@ -219,6 +221,8 @@ def main() -> int:
     results["adam"] = warm_adam(work, args.size_mb, max(5, args.repeats))
     print("  adam:", {k: f"{median(v):.3f}" for k, v in results["adam"].items()}, flush=True)
     results["copy_speeds"] = copy_speeds()
+    results["streaming"] = streaming_restores(sv, st, args.size_mb)
+    print("  streaming:", {k: f"{median(v):.3f}" for k, v in results["streaming"].items()})
     print("  phases:", {k: f"{median(v):.3f}" for k, v in results["phases"].items()}, flush=True)
 
     # 4. Cold: the page cache dropped before each read.
@@ -401,6 +405,75 @@ def warm_adam(work: Path, size_mb: int, repeats: int) -> dict[str, list[float]]:
     out["bytes"] = [float(sum(t.nbytes for t in flat.values()))]
     shutil.rmtree(root, ignore_errors=True)
     st.unlink()
+    return out
+
+
+#: glibc's threshold above which one copy call uses streaming (non-temporal) stores, set
+#: to 1 MiB so that placement's 16 MiB copies use them (read when the process starts).
+STREAMING_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
+
+_CHILD = """
+import json, resource, statistics, sys, time
+sys.path.insert(0, sys.argv[2])
+import torch
+import stepvault
+from bench_restore import make_state
+
+state = make_state(int(sys.argv[3]) << 20)
+live = {k: torch.zeros_like(v) for k, v in state.items()}
+def cpu():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+from safetensors.torch import load_file
+
+def restore():
+    stepvault.restore(sys.argv[1], live, run="bench", step=1)
+def safetensors_copy():
+    loaded = load_file(sys.argv[4])
+    for k, t in live.items():
+        t.copy_(loaded[k])
+peers = {"restore": restore, "safetensors": safetensors_copy}
+for fn in peers.values():
+    fn()  # warm-up
+out = {k: [] for k in ("restore", "restore cpu", "safetensors", "safetensors cpu")}
+for r in range(6):
+    for label, fn in list(peers.items())[:: 1 if r % 2 else -1]:
+        t0, c0 = time.perf_counter(), cpu()
+        fn()
+        out[label].append(time.perf_counter() - t0)
+        out[label + " cpu"].append(cpu() - c0)
+restore()
+assert all(torch.equal(live[k], state[k]) for k in state)
+print(json.dumps({k: statistics.median(v) for k, v in out.items()}))
+"""
+
+
+def streaming_restores(sv: Path, st: Path, size_mb: int, rounds: int = 3) -> dict[str, list[float]]:
+    """The warm ``fast`` restore and safetensors' load + copy in child processes, with
+    glibc's default copies and with :data:`STREAMING_TUNABLE` (``GLIBC_TUNABLES`` is read
+    when a process starts), the children alternated: medians of 6 alternations per child,
+    wall and CPU of the child."""
+    import subprocess
+
+    out: dict[str, list[float]] = {}
+    here = str(Path(__file__).resolve().parent)
+    for r in range(rounds):
+        for mode in ("default", "streaming") if r % 2 == 0 else ("streaming", "default"):
+            env = dict(os.environ)
+            if mode == "streaming":
+                env["GLIBC_TUNABLES"] = ":".join(
+                    t for t in (env.get("GLIBC_TUNABLES"), STREAMING_TUNABLE) if t
+                )
+            done = subprocess.run(
+                [sys.executable, "-c", _CHILD, str(sv), here, str(size_mb), str(st)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=600,
+            )
+            for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items():
+                out.setdefault(f"{mode} {k}", []).append(v)
     return out
 
 
@@ -614,6 +687,35 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
             "non-temporal threshold: streaming stores). A native placement copy with "
             "streaming stores is the lever left for the warm target; verification already "
             "reads each byte once at the memory's speed.",
+        ]
+    if res.get("streaming"):
+        sm = {k: median(v) for k, v in res["streaming"].items()}
+        rows = []
+        for mode in ("default", "streaming"):
+            r, s = sm[f"{mode} restore"], sm[f"{mode} safetensors"]
+            rc, sc = sm[f"{mode} restore cpu"], sm[f"{mode} safetensors cpu"]
+            ms = [f"{x * 1e3:.1f}" for x in (r, rc, s, sc)]
+            rows.append([mode, *ms, f"{r / s:.2f}x", f"{rc / sc:.2f}x"])
+        lines += [
+            "",
+            "The same warm restore in child processes started with and without "
+            f"`GLIBC_TUNABLES={STREAMING_TUNABLE}` (glibc then copies every call of 1 MiB "
+            "or more with streaming stores, placement's 16 MiB pieces included; torch's "
+            "`copy_`, safetensors' copy, is its own loop), children alternated. A setting "
+            "of the whole process (STORAGE.md, Measured), not a default:",
+            "",
+            table(
+                [
+                    "glibc copies",
+                    "fast ms",
+                    "fast CPU ms",
+                    "safetensors ms",
+                    "safetensors CPU ms",
+                    "fast / safetensors (wall)",
+                    "(CPU)",
+                ],
+                rows,
+            ),
         ]
     if cold:
         c = {k: median(v) for k, v in cold.items()}
