@@ -77,10 +77,15 @@ def _place_optimizer(
     Measured on the 2-core VM of BENCHMARKS.md (one thread): copying into fresh memory
     cost 0.33 CPU-s per GB against 0.20 into existing tensors (page faults and the
     kernel's zeroing of every new page)."""
-    live_state = opt.state_dict()["state"]
+    live_sd = opt.state_dict()
+    # saved index -> live index, as load_state_dict pairs them (group by group, in order)
+    index: dict[Any, Any] = {}
+    for group, live_group in zip(saved.get("param_groups", []), live_sd["param_groups"]):
+        if isinstance(group, dict) and "params" in group:
+            index.update(zip(group["params"], live_group["params"]))
     state: dict[Any, Any] = {}
     for pid, entries in saved["state"].items():
-        live = live_state.get(pid)
+        live = live_sd["state"].get(index.get(pid)) if pid in index else None
         if not isinstance(entries, dict) or not isinstance(live, dict):
             state[pid] = _materialize(entries, reader, fresh)
             continue
