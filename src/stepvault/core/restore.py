@@ -131,7 +131,7 @@ def restore(
     check_verify_mode(verify)
     if is_collective(state, collective):
         _no_assign(assign)
-        return restore_collective(root, state, run, step, missing_ok, workers)
+        return restore_collective(root, state, run, step, missing_ok, workers, strict=strict)
     try:
         store = Store.open(root)
     except StoreNotFoundError:
@@ -243,9 +243,12 @@ def restore_collective(
     step: int | Literal["latest"],
     missing_ok: bool,
     workers: int | None,
+    *,
+    strict: bool = True,
 ) -> RestoreInfo | None:
     """Every rank restores its part of ``run@step`` through the planner's collective path
-    (rank 0 chooses; candidates and manifest shared once; resharding as needed)."""
+    (rank 0 chooses; candidates and manifest shared once; resharding as needed);
+    ``strict`` as for :func:`restore`."""
     from ..distributed.agreement import handshake
 
     handshake(f"restore {run}", 60.0)  # every rank must call it: a clear error if not
@@ -261,7 +264,7 @@ def restore_collective(
         if missing_ok:
             return None
         raise CheckpointNotFoundError(f"run {run!r} has no committed checkpoint")
-    return restore_offer(source, state, offer, workers=workers)
+    return restore_offer(source, state, offer, strict=strict, workers=workers)
 
 
 __all__ = [

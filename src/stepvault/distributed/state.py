@@ -400,7 +400,9 @@ def restore_full_checkpoint(
             else:
                 set_model_state_dict(obj, tree[key], options=full)
             continue
-        rest_state[key], rest_tree[key] = obj, tree.get(key)
+        if key not in tree:  # strict=False passed the fit check: it keeps its live value
+            continue
+        rest_state[key], rest_tree[key] = obj, tree[key]
         rest_kinds[key] = _manifest.state_kinds.get(key, "value")
     apply(rest_state, rest_tree, rest_kinds, strict=False)
     for key, value in rest_state.items():
