@@ -226,3 +226,87 @@ def test_accelerate_fsdp1_folder_imports_and_resumes_bitwise(tmp_path, orig_para
         assert torch.equal(param, weights[name]), name
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[param][key], moments[name][key]), (name, key)
+
+
+@pytest.mark.extended
+def test_accelerate_fsdp1_shard_grad_op_resumes_under_ddp_on_4_ranks_and_in_one_process(
+    tmp_path,
+):
+    """An FSDP1 ``SHARD_GRAD_OP`` job (flat parameters) on 2 ranks: its own ``save_state``
+    folder, imported with the CLI, and stepvault's own collective checkpoint of the same
+    step resume on other layouts. In the job, the import resumes on the 2 SHARD_GRAD_OP
+    ranks bitwise (the strategy changes when parameters are resharded, not what is saved).
+    The same job without the FSDP plugin (Accelerate's DDP, 2 ranks) resumes the import and
+    the collective checkpoint and ends where the uninterrupted FSDP1 run ends, bitwise (the
+    same math on 2 ranks: the gradient is averaged over the same 2 ranks, AdamW runs
+    elementwise, no clipping). FSDP1 ``FULL_SHARD`` on 4 ranks starts from the folder's
+    weights, moments, LR and (ranks 0 and 1) RNG, and trains on. One process restores the
+    plain model and AdamW from either, equal to the folder. Before, a checkpointer's
+    ``extra`` resumed from the import under a process group came back as None."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    spec = importlib.util.spec_from_file_location("accelerate_fsdp1_train", FSDP1_SCRIPT)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    native, imported, store = tmp_path / "native", tmp_path / "imported", tmp_path / "store"
+    ref = tmp_path / "ref.pt"
+    out = run_job(torchrun(FSDP1_SCRIPT, "--sharding", "SHARD_GRAD_OP", "--root", str(store),
+                           "--steps", "6", "--save-every", "3", "--native", str(native),
+                           "--imported", str(imported), "--out", str(ref)),
+                  timeout=600)  # fmt: skip
+    assert "missing" not in out.split("IMPORT ", 1)[1].split("OWN-RESUME")[0], out
+    for rank in (0, 1):
+        assert f"OWN-RESUME {rank} state differs: [] next steps differ: []" in out, out
+        assert f"IMPORT-RESUME {rank} OK" in out, out
+    assert stepvault.open(store).manifest("accfsdp1", 6).sharded  # each rank its shards
+    want = torch.load(ref)
+    no_saves = ["--save-every", "1000"]  # the resumed jobs leave the stores as they are
+
+    # FSDP1 -> DDP, 2 ranks: the import (its extra kept) and the collective checkpoint.
+    for root, strict in ((imported, ["--not-strict"]), (store, [])):
+        final = tmp_path / f"ddp_{root.name}.pt"
+        out = run_job(torchrun(FSDP1_SCRIPT, "--sharding", "ddp", "--root", str(root), *strict,
+                               *no_saves, "--steps", "10", "--out", str(final)),
+                      timeout=600)  # fmt: skip
+        assert "RESUMED 6 epoch=0 skipped=0" in out, (root, out)
+        got = torch.load(final)
+        assert want.keys() == got.keys() and any(k.endswith(".exp_avg_sq") for k in want)
+        differ = [k for k in want if not torch.equal(want[k], got[k])]
+        assert not differ, (root, differ)
+
+    # What the folder holds, read by torch itself (weights and moments by parameter name).
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        dcp_to_torch_save(native / part, tmp_path / f"{part}.pt")
+    weights = torch.load(tmp_path / "pytorch_model_fsdp_0.pt")["model"]
+    moments = torch.load(tmp_path / "optimizer_0.pt")["optimizer"]["state"]
+
+    # 2 -> 4 FSDP1 FULL_SHARD ranks from the import: the state training starts from.
+    resumed, final = tmp_path / "four_resumed.pt", tmp_path / "four.pt"
+    out = run_job(torchrun(FSDP1_SCRIPT, "--root", str(imported), "--not-strict", *no_saves,
+                           "--steps", "8", "--out-resumed", str(resumed), "--out", str(final),
+                           nproc=4),
+                  timeout=600)  # fmt: skip
+    assert "RESUMED 6 epoch=0 skipped=0" in out and "DONE" in out, out
+    got = torch.load(resumed)
+    for name, weight in weights.items():
+        assert torch.equal(got[name], weight), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"{name}.{key}"], moments[name][key]), (name, key)
+    scheduler = torch.load(native / "scheduler.bin", weights_only=False)
+    assert torch.equal(got["lr"], torch.tensor(scheduler["_last_lr"]))
+    for rank in (0, 1):  # ranks 2 and 3 have no RNG state in it (a warning says so)
+        saved = torch.load(native / f"random_states_{rank}.pkl", weights_only=False)
+        torch.set_rng_state(saved["torch_manual_seed"])  # Accelerate's torch.save
+        assert torch.equal(got["rng"][rank], torch.rand(4)), rank
+    assert not torch.equal(torch.load(final)["0.weight"], weights["0.weight"])  # it trained
+
+    # 2 -> 1 process (evaluation): the plain model and AdamW from either checkpoint.
+    for root, run in ((imported, "accfsdp1"), (store, "accfsdp1")):
+        plain = worker.build()
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        stepvault.restore(root, {"model": plain, "optimizer": opt}, run=run, step=6,
+                          strict=False)  # fmt: skip
+        for name, param in plain.named_parameters():
+            assert torch.equal(param, weights[name]), (root, name)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.state[param][key], moments[name][key]), (root, name, key)

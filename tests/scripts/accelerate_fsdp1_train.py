@@ -28,6 +28,12 @@ must be refused on every rank (``REFUSED <r> <message>``) and change nothing. ``
 --not-strict`` then resumes from the import in new processes (``restore(strict=False)``:
 the import holds no ``extra``, which keeps its values).
 
+Other layouts (issue 30): ``--sharding SHARD_GRAD_OP`` wraps with that FSDP1 strategy,
+``--sharding ddp`` runs the same job without the FSDP plugin (Accelerate's DDP), and
+``--out-resumed FILE`` writes what ``--out`` holds right after the restore (the state the
+training starts from; the RNG draw is undone so the steps that follow are unchanged).
+Under torchrun with ``--nproc_per_node 4`` the same job resumes a 2-rank checkpoint.
+
 TEST-ONLY PATCH: Accelerate honours an FSDP plugin only for GPU-like distributed types;
 on CPU processes it silently trains with DDP. ``cpu_fsdp1_accelerator`` sets the FSDP
 distributed type and the plugin in Accelerate's shared state (as
@@ -54,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stepvault.errors import StateMismatchError
 from stepvault.integrations.accelerate import AcceleratorCheckpointer
@@ -62,11 +69,15 @@ from stepvault.policy import Every, KeepLast
 BATCHES_PER_EPOCH = 8
 
 
-def cpu_fsdp1_accelerator(orig_params: bool) -> Accelerator:
-    """TEST-ONLY: an Accelerator whose prepare() wraps with FSDP1 on CPU processes."""
+def cpu_fsdp1_accelerator(orig_params: bool, sharding: str = "FULL_SHARD") -> Accelerator:
+    """TEST-ONLY: an Accelerator whose prepare() wraps with FSDP1 on CPU processes
+    (``sharding``: FSDP1's ``FULL_SHARD`` or ``SHARD_GRAD_OP``; ``ddp``: no FSDP plugin,
+    the same job under Accelerate's DDP)."""
+    if sharding == "ddp":
+        return Accelerator(cpu=True)  # torchrun's processes: MULTI_CPU, prepare() wraps in DDP
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=1,
-        sharding_strategy="FULL_SHARD",
+        sharding_strategy=sharding,
         state_dict_type="SHARDED_STATE_DICT",
         use_orig_params=orig_params,
         sync_module_states=False,  # FSDP1 syncs module states on a GPU only
@@ -215,17 +226,27 @@ def main() -> int:
     p.add_argument(
         "--not-strict", action="store_true", help="restore(strict=False): an import has no extra"
     )
+    p.add_argument(
+        "--sharding",
+        default="FULL_SHARD",
+        choices=["FULL_SHARD", "SHARD_GRAD_OP", "ddp"],
+        help="FSDP1's sharding strategy, or ddp: the same job without the FSDP plugin",
+    )
+    p.add_argument("--out-resumed", default="", help="the state right after the restore")
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    accelerator = cpu_fsdp1_accelerator(args.orig_params)
+    accelerator = cpu_fsdp1_accelerator(args.orig_params, args.sharding)
     rank = dist.get_rank()
     # FSDP1 replaces the parameters (flat ones): the model first, then its optimizer
     model = accelerator.prepare(build())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     opt, sched = accelerator.prepare(opt, sched)
-    assert isinstance(model, FSDP) and len(FSDP.fsdp_modules(model)) == 3, model  # FSDP1
+    if args.sharding == "ddp":
+        assert isinstance(model, DDP), model
+    else:
+        assert isinstance(model, FSDP) and len(FSDP.fsdp_modules(model)) == 3, model  # FSDP1
     torch.manual_seed(100 + rank)  # the ranks' RNGs differ
 
     progress = {"epoch": 0}
@@ -246,6 +267,12 @@ def main() -> int:
             else f"RESUMED {info.step} epoch={progress['epoch']} skipped={len(info.skipped)}",
             flush=True,
         )
+    if args.out_resumed:  # what training starts from (collective: every rank's RNG draw)
+        rng = torch.get_rng_state()
+        resumed = final_state(accelerator, model, opt, sched)
+        torch.set_rng_state(rng)  # the draw must not change the steps that follow
+        if rank == 0:
+            torch.save(resumed, args.out_resumed)
 
     while step < args.steps:
         if args.step_sleep:
