@@ -126,11 +126,16 @@ def final_state(accelerator: Accelerator, model, opt, sched) -> dict[str, torch.
     return full
 
 
+CLIP = 0.0  # --clip: accelerator.clip_grad_norm_ to this norm before each step (0: none)
+
+
 def train_step(accelerator: Accelerator, model, opt, sched, step: int, rank: int) -> torch.Tensor:
     """One optimizer step on the batch of ``step``; its loss."""
     x = batch(step, rank)
     loss = (model(x) - x[:, :8].sin()).square().mean()
     accelerator.backward(loss)
+    if CLIP:  # FSDP1: the wrapper's clip_grad_norm_ (norm from the shards); DDP: torch's
+        accelerator.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
     sched.step()
     opt.zero_grad()
@@ -233,8 +238,11 @@ def main() -> int:
         help="FSDP1's sharding strategy, or ddp: the same job without the FSDP plugin",
     )
     p.add_argument("--out-resumed", default="", help="the state right after the restore")
+    p.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this")
     args = p.parse_args()
 
+    global CLIP
+    CLIP = args.clip
     torch.set_num_threads(1)
     accelerator = cpu_fsdp1_accelerator(args.orig_params, args.sharding)
     rank = dist.get_rank()
