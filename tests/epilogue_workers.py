@@ -100,7 +100,7 @@ def task_restore_mismatched_full(rank, world, root, out):
     from torch.distributed.device_mesh import init_device_mesh
 
     import stepvault
-    from stepvault.distributed.state import restore_full_checkpoint
+    from stepvault.distributed.full_checkpoint import restore_full_checkpoint
     from stepvault.errors import StateMismatchError
     from stepvault.store import Store
 

@@ -184,7 +184,7 @@ def _restore_full(
     from ..engine import CheckpointReader
     from ..engine.load import _pick
     from ..format import decode_value
-    from .state import full_checkpoint_problems, restore_full_checkpoint
+    from .full_checkpoint import full_checkpoint_problems, restore_full_checkpoint
 
     reader = CheckpointReader(store, manifest, workers=workers)
     meta = decode_value(manifest.state, lambda kind, name: reader.meta(name))

@@ -21,7 +21,7 @@ included): the import needs ``trust=True``.
 
 FSDP1 and FSDP2 folders are read alike: FSDP1's DCP state dicts (flat parameters or
 ``use_orig_params``) name and shape the original parameters too, and a resume on FSDP1
-ranks maps them onto the flat shards by name (:mod:`stepvault.distributed.state`).
+ranks maps them onto the flat shards by name (:mod:`stepvault.distributed.full_checkpoint`).
 """
 
 from __future__ import annotations
