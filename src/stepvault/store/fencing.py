@@ -14,6 +14,9 @@ of an older epoch that the next epoch's record does not list landed after that t
 from __future__ import annotations
 
 import json
+import os
+import socket
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -28,6 +31,38 @@ def fence_key(run: str, epoch: int) -> str:
     """``refs/fences/<run>/<epoch>.json``: the steps visible when lease epoch ``epoch``
     began (written by its holder right after the takeover, before it commits anything)."""
     return f"refs/fences/{validate_run_name(run)}/{int(epoch)}.json"
+
+
+def fence_record(
+    run: str,
+    epoch: int,
+    token: str,
+    previous: dict[str, Any] | None,
+    ended: str,
+    visible: list[int],
+    versions: dict[str, str],
+) -> bytes:
+    """The bytes of the fence record of ``run``'s lease ``epoch`` (FORMAT.md §8): its new
+    holder, how the previous holder ``ended`` (released, exited, stale), and the steps
+    ``visible`` at the takeover with each one's manifest version."""
+    record = {
+        "format": "stepvault-fence",
+        "version": 1,
+        "run": run,
+        "epoch": epoch,
+        "token": token,
+        "owner": {"host": socket.gethostname(), "pid": os.getpid()},
+        "time": time.time(),
+        "previous": {
+            "epoch": (previous or {}).get("epoch") if previous is not None else None,
+            "ended": ended,
+            "host": (previous or {}).get("host"),
+            "pid": (previous or {}).get("pid"),
+        },
+        "visible": visible,
+        "versions": versions,
+    }
+    return json.dumps(record, separators=(",", ":")).encode()
 
 
 def manifest_stamp(data: bytes) -> dict[str, Any] | None:

@@ -51,7 +51,7 @@ from typing import Any
 
 from ..errors import LeaseHeldError, LeaseLostError
 from .backend import PreconditionFailed
-from .fencing import fence_key, visible_versions
+from .fencing import fence_key, fence_record, visible_versions
 from .names import validate_run_name
 from .repository import Store
 
@@ -369,24 +369,9 @@ def _write_fence_record(
         ended = "exited"  # its process is gone: it commits nothing more into node memory
     else:
         ended = "stale"  # heartbeat too old: it may still be running somewhere
-    record = {
-        "format": "stepvault-fence",
-        "version": 1,
-        "run": lease.run,
-        "epoch": lease.epoch,
-        "token": lease.token,
-        "owner": {"host": socket.gethostname(), "pid": os.getpid()},
-        "time": time.time(),
-        "previous": {
-            "epoch": (previous or {}).get("epoch") if previous is not None else None,
-            "ended": ended,
-            "host": (previous or {}).get("host"),
-            "pid": (previous or {}).get("pid"),
-        },
-        "visible": visible,
-        "versions": versions or {},
-    }
-    data = json.dumps(record, separators=(",", ":")).encode()
+    data = fence_record(
+        lease.run, lease.epoch, lease.token, previous, ended, visible, versions or {}
+    )
     try:
         lease.store.backend.put_atomic(
             fence_key(lease.run, lease.epoch), [data], overwrite=False, durable=True
