@@ -128,7 +128,7 @@ def test_missing_and_unexpected_keys(tmp_path):
     stepvault.save(tmp_path, {"model": model}, run="r", step=1)
     live = {"model": make_model(), "extra": 1}
     with pytest.raises(
-        stepvault.errors.StateMismatchError, match="extra: not in checkpoint.*strict=False"
+        stepvault.errors.StateMismatchError, match=r"extra: not in checkpoint.*strict=False"
     ):
         stepvault.restore(tmp_path, live, run="r")
     info = stepvault.restore(tmp_path, live, run="r", strict=False)
