@@ -215,18 +215,25 @@ class DcpImporter(Importer):
             "are torch.distributed.checkpoint directories)"
         )
 
+    @staticmethod
+    def _per_rank_only(path: str) -> list[str]:
+        """The per-rank FSDP files of ``path`` when it is not also a DCP directory."""
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            return []
+        return per_rank_fsdp_files(path)
+
     def refuse_unreadable(self, path: str) -> None:
         """Raise for a detected directory that is not imported at all (the per-rank FSDP
         layout), before any question of step or trust."""
-        files = per_rank_fsdp_files(path)
-        if files and not os.path.isfile(os.path.join(path, ".metadata")):
+        files = self._per_rank_only(path)
+        if files:
             raise StepvaultError(per_rank_fsdp_refusal(path, files))
 
     def elsewhere_for(self, path: str) -> str | None:
         """Where :func:`import_checkpoint` sends the detected directory ``path``: the DCP
         import (it needs the step and ``trust`` up front), or the per-rank refusal."""
-        files = per_rank_fsdp_files(path)
-        if files and not os.path.isfile(os.path.join(path, ".metadata")):
+        files = self._per_rank_only(path)
+        if files:
             return per_rank_fsdp_refusal(path, files).removeprefix(f"{path}: ")
         return (
             f"{self.what(path)}; it records no step and holds pickles: import it with "
