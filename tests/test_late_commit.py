@@ -52,7 +52,9 @@ class NolockBackend(LocalBackend):
 
     exclusive_is_atomic = False
 
-    def exclusive(self, key: str, timeout: float = 30.0) -> contextlib.AbstractContextManager[None]:
+    def exclusive(
+        self, key: str, timeout: float = 30.0, *, abandoned: Callable[[], bool] | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
 

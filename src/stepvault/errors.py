@@ -19,6 +19,7 @@ __all__ = [
     "LeaseHeldError",
     "LeaseLostError",
     "LightBaseError",
+    "LockBrokenError",
     "ManifestError",
     "MissingBaseError",
     "MissingObjectError",
@@ -134,6 +135,15 @@ class OutOfSpaceError(StepvaultError, OSError):
 class PreconditionFailed(StepvaultError, FileExistsError):
     """A conditional write or delete found ``key`` changed since the version the caller
     named (or present, for a create-if-absent): compare-and-set lost the race."""
+
+
+class LockBrokenError(PreconditionFailed):
+    """The store lock this process held was broken while it held it, so it wrote nothing.
+
+    Another process found the lock held while the lease it guards had gone stale (its
+    holder stopped: a frozen process or VM) and took the run over. The write is refused as
+    a lost compare-and-set; the writer lease then reports who owns the run.
+    """
 
 
 class LeaseHeldError(StepvaultError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 
 from ..errors import PreconditionFailed
@@ -88,9 +88,16 @@ class Backend(abc.ABC):
     #: requests), or nothing is (a check-then-act: other fsspec filesystems).
     exclusive_is_atomic: bool = False
 
-    def exclusive(self, key: str, timeout: float = 30.0) -> AbstractContextManager[None]:
+    def exclusive(
+        self, key: str, timeout: float = 30.0, *, abandoned: Callable[[], bool] | None = None
+    ) -> AbstractContextManager[None]:
         """Hold ``key``'s lock while the block runs (excludes other holders of the same
-        key's lock; no reader is affected). A no-op where the backend has no locks."""
+        key's lock; no reader is affected). A no-op where the backend has no locks.
+
+        ``abandoned``: asked while another process holds the lock; True means its holder
+        has stopped (the lease the lock guards went stale), and a backend whose locks can
+        outlive a stopped holder (local disks) may then break it.
+        """
         return contextlib.nullcontext()
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:

@@ -250,7 +250,10 @@ class FsspecBackend(Backend):
             raise FileExistsError(f"{self.url}/{key} already exists") from None
 
     # -- fencing (store/lease.py): S3 conditional requests; a process lock for memory:// ---
-    def exclusive(self, key: str, timeout: float = 30.0) -> AbstractContextManager[None]:
+    def exclusive(
+        self, key: str, timeout: float = 30.0, *, abandoned: Callable[[], bool] | None = None
+    ) -> AbstractContextManager[None]:
+        # memory://: one process; a stopped holder stops the whole process, so nothing to break
         if self.protocol == "memory":
             return _held(_MEMORY_LOCK)
         return contextlib.nullcontext()  # S3: replace_if/delete_if are conditional requests

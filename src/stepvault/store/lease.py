@@ -15,7 +15,10 @@ owner) once another writer holds the run. How atomic the check is depends on the
 
 * local disks (and ``memory://``): an ``flock`` on ``refs/leases/<run>.json.lock`` taken
   by acquire, renew, release and by the commit across "read the token, rename the
-  manifest": a takeover cannot fall between the check and the rename;
+  manifest": a takeover cannot fall between the check and the rename. A holder stopped
+  inside (a frozen process) does not block the run: a takeover that finds the lock held
+  for seconds and the lease stale breaks it, and the woken holder's rename checks the lock
+  first and is refused (:meth:`LocalBackend.exclusive <.local.LocalBackend.exclusive>`);
 * S3: the guard renews the lease with a conditional PUT (``If-Match`` on the ETag this
   holder last wrote) right before the manifest's PUT. A takeover needs the lease to go
   stale, ``stale_after`` seconds after that renewal, so the commit is refused unless this
@@ -49,25 +52,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LeaseHeldError, LeaseLostError
+from ..errors import LeaseHeldError, LeaseLostError, LockBrokenError
 from .backend import PreconditionFailed
 from .fencing import fence_key, fence_record, visible_versions
-from .names import validate_run_name
+from .lease_file import (
+    DEFAULT_STALE_AFTER,
+    holder_stopped,
+    is_stale,
+    lease_key,
+    pid_alive,
+    read_lease,
+)
 from .repository import Store
-
-#: Default seconds without a heartbeat after which a lease counts as abandoned.
-DEFAULT_STALE_AFTER = 300.0
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (one owned by another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(eq=False)
@@ -139,17 +135,21 @@ class Lease:
                 self._renew_locked(what)
             try:
                 yield
+            except LockBrokenError:
+                # Stopped inside this block past stale_after, and the lock broken by the
+                # writer that took the run over (local disks): nothing was written.
+                self._confirm(what, late=False)
+                raise
             except FileExistsError:
                 # A create-only commit found the step taken: by the new owner, when this
                 # write reached the store after a takeover; then the lost lease is the error.
-                if not backend.exclusive_is_atomic:
-                    self._confirm(what)
-                raise
-            if not backend.exclusive_is_atomic:
-                # The write may have reached the store after a takeover (held up in a
-                # partition): then readers ignore it (the fence rule) and this writer must
-                # learn now, as a refused commit, not at its next save.
                 self._confirm(what)
+                raise
+            # The write may have reached the store after a takeover (held up in a partition,
+            # or stopped between the lock's last check and the rename): then readers ignore
+            # it (the fence rule) and this writer must learn now, as a refused commit, not
+            # at its next save. On local disks this is one read of a small file.
+            self._confirm(what)
 
     def release(self) -> None:
         """Give the run up: remove the lease file if it is still ours, stop fencing."""
@@ -168,7 +168,7 @@ class Lease:
                 pass  # changed since: not ours to remove
 
     # -- helpers -----------------------------------------------------------------------
-    def _confirm(self, what: str) -> None:
+    def _confirm(self, what: str, *, late: bool = True) -> None:
         try:  # one GET (no version needed: nothing is written on what it says)
             current = read_lease(self.store, self.run)
         except OSError:
@@ -176,7 +176,7 @@ class Lease:
         if not self._ours(current):
             self._lose(current, what)
             assert self.lost is not None
-            raise self._refusal(what, self.lost.owner, current, late=True)
+            raise self._refusal(what, self.lost.owner, current, late=late)
 
     def _renew_locked(self, what: str) -> None:
         if self.lost is not None:
@@ -281,29 +281,6 @@ class MemoryFence:
         return dict(self.epoch_stamp) if self.epoch_stamp else None
 
 
-def lease_key(run: str) -> str:
-    return f"refs/leases/{validate_run_name(run)}.json"
-
-
-def read_lease(store: Store, run: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(store.backend.read_bytes(lease_key(run)))
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        return {"corrupt": True, "heartbeat": 0}
-
-
-def is_stale(record: dict[str, Any], now: float | None = None) -> bool:
-    now = time.time() if now is None else now
-    stale_after = float(record.get("stale_after", DEFAULT_STALE_AFTER))
-    if now - float(record.get("heartbeat", 0)) > stale_after:
-        return True
-    same_host = record.get("host") == socket.gethostname()
-    pid = record.get("pid")
-    return bool(same_host and isinstance(pid, int) and not pid_alive(pid))
-
-
 def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_AFTER) -> Lease:
     """Take the writer lease of ``run`` or raise :class:`LeaseHeldError`.
 
@@ -314,7 +291,7 @@ def acquire_lease(store: Store, run: str, *, stale_after: float = DEFAULT_STALE_
     """
     lease = Lease(store, run, uuid.uuid4().hex, stale_after)
     backend = store.backend
-    with backend.exclusive(lease.key):
+    with backend.exclusive(lease.key, abandoned=lambda: holder_stopped(store, run)):
         expected: str | None = None  # first try create-if-absent
         current: dict[str, Any] | None = None
         for _ in range(5):

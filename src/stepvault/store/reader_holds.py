@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from .lease import pid_alive
+from .lease_file import pid_alive
 from .names import validate_run_name, validate_step
 from .repository import Store
 

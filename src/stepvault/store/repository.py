@@ -416,10 +416,11 @@ class Store:
         key = self.manifest_key(run, step)
         fence = self.fences.get(run)
         stamp = self._stamp_of(run)
-        if overwrite and fence is not None and not self.backend.exclusive_is_atomic:
-            # Nothing to replace (one HEAD): commit create-only, so that this write, if it
-            # lands late (held up in a partition past a takeover), can never replace the
-            # new owner's commit of the step (FORMAT.md §8; the manager saves overwrite).
+        if overwrite and fence is not None:
+            # Nothing to replace (one HEAD, or one stat): commit create-only, so that this
+            # write, if it lands late (held up in a partition, or its writer frozen past a
+            # takeover), can never replace the new owner's commit of the step (FORMAT.md
+            # §8; the manager saves overwrite).
             overwrite = self.backend.exists(key)
         if stamp is not None:
             # The commit records its lease epoch: readers drop it if it lands after a

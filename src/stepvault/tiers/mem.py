@@ -34,7 +34,7 @@ from typing import Any
 from ..engine.gc import sweep
 from ..errors import StepvaultError
 from ..store import LocalBackend, Store
-from ..store.lease import pid_alive
+from ..store.lease_file import pid_alive
 
 MEM = "mem"
 MEM_ROOT_ENV = "STEPVAULT_MEM_ROOT"
@@ -276,7 +276,7 @@ def _staleness(owner: dict[str, Any], steps: list[int]) -> tuple[bool, str]:
         hot = Store.open(str(hot_url))
     except (StepvaultError, OSError):
         return True, "owner gone; its hot store is gone"
-    from ..store.lease import lease_key
+    from ..store.lease_file import lease_key
 
     if not hot.backend.exists(lease_key(str(run))):
         return True, "owner gone; the run finished (no writer lease)"
