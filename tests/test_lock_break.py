@@ -25,10 +25,13 @@ import torch
 from test_lease_fence import STALE, _line, _read_until, _start
 
 from stepvault.core.restore import restore
+from stepvault.core.write import save
 from stepvault.errors import LockBrokenError
 from stepvault.format import parse_manifest
+from stepvault.manager.scope import fenced
 from stepvault.store import Store
 from stepvault.store import local as local_backend
+from stepvault.store.lease import acquire_lease
 from stepvault.store.local import LocalBackend
 
 # The first writer of test_lease_fence, whose save of step 100 waits inside the commit
@@ -195,3 +198,30 @@ def test_the_woken_holder_of_a_broken_lock_writes_nothing(tmp_path):
             frozen.delete("runs/r/checkpoints/3.json")
     assert frozen.read_bytes("runs/r/checkpoints/3.json") == b"old"
     assert not list((tmp_path / "store" / "tmp").glob("*"))  # no temporary file left
+
+
+def test_a_commit_whose_lock_was_broken_by_a_failed_taker_says_so_and_can_retry(
+    tmp_path, monkeypatch
+):
+    """The lock broken while the lease is still ours (the taker then failed): the commit
+    is refused as a broken lock, not "exists", nothing is visible, and the next one works."""
+    store = Store.open(tmp_path / "store", create=True)
+    lease = fenced(acquire_lease(store, "r", stale_after=60))
+    save(store, {"w": torch.arange(10.0)}, run="r", step=1)
+    make_visible = LocalBackend._make_visible
+
+    def broken_under(self, key, *args, **kwargs):
+        if key.endswith("checkpoints/2.json"):
+            for path, fd in self._held_locks().items():
+                local_backend._break_lock(path, fd)  # what a taker does
+        return make_visible(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "_make_visible", broken_under)
+    with pytest.raises(LockBrokenError, match="nothing was written"):
+        save(store, {"w": torch.arange(20.0)}, run="r", step=2)
+    assert Store.open(tmp_path / "store").list_steps("r") == [1]
+    assert lease.lost is None  # still the run's writer: the next commit takes a new lock
+    monkeypatch.setattr(LocalBackend, "_make_visible", make_visible)
+    save(store, {"w": torch.arange(20.0)}, run="r", step=2)
+    assert Store.open(tmp_path / "store").list_steps("r") == [1, 2]
+    lease.release()

@@ -346,6 +346,9 @@ class LocalBackend(Backend):
         start = time.monotonic()
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+            # Counted per lock file: a new one (just made by a breaker) is not broken at
+            # once because the one before it was held long.
+            seen = time.monotonic()
             try:
                 while True:
                     try:
@@ -358,11 +361,11 @@ class LocalBackend(Backend):
                         break  # a breaker replaced the file while we waited: lock the new one
                     if not _names(path, fd):
                         break
-                    waited = time.monotonic() - start
-                    if waited > BREAK_AFTER and abandoned is not None and abandoned():
+                    now = time.monotonic()
+                    if now - seen > BREAK_AFTER and abandoned is not None and abandoned():
                         _break_lock(path, fd)
                         break
-                    if waited > timeout:
+                    if now - start > timeout:
                         raise TimeoutError(
                             errno.ETIMEDOUT,
                             f"{self.url}/{key}: locked by another process for more than "

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    LockBrokenError,
     ManifestError,
     StoreNotFoundError,
     StoreVersionError,
@@ -491,6 +492,8 @@ class Store:
                         sig = json.dumps(signer.sign(data), sort_keys=True).encode()
                         self.backend.put_atomic(self.signature_key(run, step), [sig])
                     self.backend.put_atomic(key, [data], overwrite=overwrite, durable=True)
+        except LockBrokenError:
+            raise  # not "exists": the commit lock was broken under this writer (lease.py)
         except FileExistsError:
             raise CheckpointExistsError(
                 f"checkpoint {run}@{step} already exists in {self.backend.url}; pass "
