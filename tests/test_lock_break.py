@@ -29,8 +29,7 @@ from stepvault.core.write import save
 from stepvault.errors import LockBrokenError
 from stepvault.format import parse_manifest
 from stepvault.manager.scope import fenced
-from stepvault.store import Store
-from stepvault.store import local as local_backend
+from stepvault.store import Store, file_lock
 from stepvault.store.lease import acquire_lease
 from stepvault.store.local import LocalBackend
 
@@ -54,7 +53,7 @@ assert "held_rename" in FROZEN_IN_THE_LOCK and "slow_publish" not in FROZEN_IN_T
 # The new owner of test_lease_fence, breaking a held lock after 0.5 s (the default waits 5 s).
 NEW_OWNER = lease_fence.NEW_OWNER.replace(
     "options = ",
-    "import stepvault.store.local\nstepvault.store.local.BREAK_AFTER = 0.5\noptions = ",
+    "import stepvault.store.file_lock\nstepvault.store.file_lock.BREAK_AFTER = 0.5\noptions = ",
     1,
 )
 assert "BREAK_AFTER" in NEW_OWNER
@@ -134,7 +133,7 @@ def held(tmp_path):
 
 def test_a_held_lock_is_broken_only_when_its_holder_is_known_stopped(held, monkeypatch):
     backend, lock = held
-    monkeypatch.setattr(local_backend, "BREAK_AFTER", 0.2)
+    monkeypatch.setattr(file_lock, "BREAK_AFTER", 0.2)
     asked = []
 
     def alive() -> bool:
@@ -157,7 +156,7 @@ def test_a_held_lock_is_broken_only_when_its_holder_is_known_stopped(held, monke
 
 def test_a_waiter_on_the_broken_lock_waits_for_the_breaker(held, monkeypatch):
     backend, _ = held
-    monkeypatch.setattr(local_backend, "BREAK_AFTER", 0.2)
+    monkeypatch.setattr(file_lock, "BREAK_AFTER", 0.2)
     other = LocalBackend(backend.root)  # its own fds: excluded by flock like a process
     inside: list[str] = []
     got = threading.Event()
@@ -188,7 +187,7 @@ def test_the_woken_holder_of_a_broken_lock_writes_nothing(tmp_path):
         lock = frozen._path("refs/leases/k") + ".lock"
         # What the taker does to a lock held by a stopped holder (its rule said so).
         fd = os.open(lock, os.O_RDWR)
-        local_backend._break_lock(lock, fd)
+        file_lock.break_lock(lock, fd)
         os.close(fd)
         with taker.exclusive("refs/leases/k", timeout=1):
             pass  # the taker holds the new lock at once
@@ -212,8 +211,8 @@ def test_a_commit_whose_lock_was_broken_by_a_failed_taker_says_so_and_can_retry(
 
     def broken_under(self, key, *args, **kwargs):
         if key.endswith("checkpoints/2.json"):
-            for path, fd in self._held_locks().items():
-                local_backend._break_lock(path, fd)  # what a taker does
+            for path, fd in self._locks.held().items():
+                file_lock.break_lock(path, fd)  # what a taker does
         return make_visible(self, key, *args, **kwargs)
 
     monkeypatch.setattr(LocalBackend, "_make_visible", broken_under)

@@ -45,6 +45,7 @@ def fence_record(
     """The bytes of the fence record of ``run``'s lease ``epoch`` (FORMAT.md §8): its new
     holder, how the previous holder ``ended`` (released, exited, stale), and the steps
     ``visible`` at the takeover with each one's manifest version."""
+    before = previous or {}
     record = {
         "format": "stepvault-fence",
         "version": 1,
@@ -54,10 +55,10 @@ def fence_record(
         "owner": {"host": socket.gethostname(), "pid": os.getpid()},
         "time": time.time(),
         "previous": {
-            "epoch": (previous or {}).get("epoch") if previous is not None else None,
+            "epoch": before.get("epoch"),
             "ended": ended,
-            "host": (previous or {}).get("host"),
-            "pid": (previous or {}).get("pid"),
+            "host": before.get("host"),
+            "pid": before.get("pid"),
         },
         "visible": visible,
         "versions": versions,

@@ -57,7 +57,8 @@ def is_stale(record: dict[str, Any], now: float | None = None) -> bool:
 def holder_stopped(store: Store, run: str) -> bool:
     """Whether the lock of ``run``'s lease, held by another process, may be broken: the
     lease is stale, so whoever holds the lock has not run for ``stale_after`` (a live
-    holder renews the lease and keeps the lock for microseconds)."""
+    holder renews the lease and keeps the lock for microseconds). When it says yes it also
+    warns (``RuntimeWarning``) that the lock is being broken, naming the stopped holder."""
     try:
         record = read_lease(store, run)
     except OSError:

@@ -7,15 +7,12 @@ hold only as a whole, and read best side by side.)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
-import fcntl
 import mmap
 import os
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,16 +20,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import LockBrokenError, OutOfSpaceError
+from ..errors import OutOfSpaceError
 from .backend import Backend, Buffer
+from .file_lock import FileLocks
 from .names import check_key
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-
-#: Seconds a lock must be seen held, its lease stale, before :meth:`LocalBackend.exclusive`
-#: breaks it. Live holders keep it for microseconds (a takeover's listing: milliseconds).
-BREAK_AFTER = 5.0
 
 
 def _fsync_dir(path: str) -> None:
@@ -96,10 +90,7 @@ class LocalBackend(Backend):
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
         self._made_dirs: set[str] = set()
-        # One lock per key within this process too: over NFS, flock is emulated with POSIX
-        # locks, which do not exclude threads of one process from each other.
-        self._key_locks: dict[str, threading.Lock] = {}
-        self._thread = threading.local()  # the locks this thread holds (_check_locks)
+        self._locks = FileLocks()  # the lease's locks (exclusive())
 
     # -- helpers -----------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -286,7 +277,7 @@ class LocalBackend(Backend):
         self, key: str, tmp: str, final: str, *, overwrite: bool, durable: bool
     ) -> None:
         try:
-            self._check_locks()
+            self._locks.check()  # refused under a lock that was broken
             if overwrite:
                 os.replace(tmp, final)
             else:
@@ -301,93 +292,14 @@ class LocalBackend(Backend):
             with self._lock:
                 self._dirty.add(os.path.dirname(final))
 
-    @contextlib.contextmanager
     def exclusive(
         self, key: str, timeout: float = 30.0, *, abandoned: Callable[[], bool] | None = None
-    ) -> Iterator[None]:
-        """``flock`` on ``<key>.lock`` for the duration of the block.
-
-        A live holder keeps the lock for microseconds; one held for :data:`BREAK_AFTER`
-        seconds while ``abandoned()`` says so (the lease it guards went stale: its holder is
-        a stopped process or VM) is broken: its file is removed and a new one locked. Every
-        locker checks, once it has the lock, that its file is still the lock file, and
-        every rename or delete made under a lock checks it again (:class:`LockBrokenError`):
-        the stopped holder, woken, writes nothing.
-        """
+    ) -> AbstractContextManager[None]:
+        """``flock`` on ``<key>.lock`` for the duration of the block; broken when held for
+        seconds while ``abandoned()`` says its holder stopped (:mod:`.file_lock`)."""
         path = self._path(key) + ".lock"
-        with self._lock:
-            local = self._key_locks.setdefault(path, threading.Lock())
-        if not local.acquire(timeout=timeout):
-            raise TimeoutError(f"{key}: lock held by another thread of this process")
-        try:
-            self._ensure_dir(os.path.dirname(path))
-            fd = self._lock_file(key, path, timeout, abandoned)
-            held = self._held_locks()
-            held[path] = fd
-            try:
-                yield
-            finally:
-                del held[path]
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
-        finally:
-            local.release()
-
-    def _held_locks(self) -> dict[str, int]:
-        held: dict[str, int] | None = getattr(self._thread, "locks", None)
-        if held is None:
-            held = self._thread.locks = {}
-        return held
-
-    def _lock_file(
-        self, key: str, path: str, timeout: float, abandoned: Callable[[], bool] | None
-    ) -> int:
-        """An fd of ``path`` holding its ``flock``, ``path`` still naming that file."""
-        start = time.monotonic()
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
-            # Counted per lock file: a new one (just made by a breaker) is not broken at
-            # once because the one before it was held long.
-            seen = time.monotonic()
-            try:
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        pass
-                    else:
-                        if _names(path, fd):
-                            return fd
-                        break  # a breaker replaced the file while we waited: lock the new one
-                    if not _names(path, fd):
-                        break
-                    now = time.monotonic()
-                    if now - seen > BREAK_AFTER and abandoned is not None and abandoned():
-                        _break_lock(path, fd)
-                        break
-                    if now - start > timeout:
-                        raise TimeoutError(
-                            errno.ETIMEDOUT,
-                            f"{self.url}/{key}: locked by another process for more than "
-                            f"{timeout:.0f}s (a stopped process holds it?); retry later",
-                        )
-                    # Held for microseconds by a live holder; held longer only by a
-                    # process stopped inside its critical section (SIGSTOP, a frozen VM).
-                    time.sleep(0.005)
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)  # the lock dropped with it
-
-    def _check_locks(self) -> None:
-        """Refuse a rename or delete made under a lock that was broken (see exclusive())."""
-        for path, fd in self._held_locks().items():
-            if not _names(path, fd):
-                raise LockBrokenError(
-                    f"{path}: this process's lock was broken by another process while it "
-                    "held it (it found this process stopped past the lease's stale_after "
-                    "and took the run over); nothing was written"
-                )
+        self._ensure_dir(os.path.dirname(path))
+        return self._locks.hold(path, f"{self.url}/{key}", timeout, abandoned)
 
     def put_staged(self, key: str, parts: Sequence[Buffer]) -> _Staged:
         # Written without fsync, writeback started at once: the device works on this file
@@ -448,7 +360,7 @@ class LocalBackend(Backend):
             os.close(fd)
 
     def delete(self, key: str) -> None:
-        self._check_locks()
+        self._locks.check()  # refused under a lock that was broken
         try:
             os.unlink(self._path(key))
         except FileNotFoundError:
@@ -472,39 +384,6 @@ def _read_fd(fd: int) -> bytes:
     while chunk := os.read(fd, 1 << 20):
         parts.append(chunk)
     return b"".join(parts)
-
-
-def _names(path: str, fd: int) -> bool:
-    """Whether ``path`` still names the file open as ``fd``."""
-    try:
-        now = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev)
-
-
-def _break_lock(path: str, fd: int) -> None:
-    """Remove the lock file ``fd`` waits on, unless another breaker did already.
-
-    Breakers exclude each other with ``<path>.break`` (held for one stat and one unlink),
-    so none removes a lock file that another breaker has just made and locked. A breaker
-    stopped while it holds that (for microseconds) only delays the others: they go on
-    waiting for the lock, up to their timeout.
-    """
-    guard = os.open(path + ".break", os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
-    try:
-        try:
-            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
-        try:
-            if _names(path, fd):
-                os.unlink(path)
-        finally:
-            fcntl.flock(guard, fcntl.LOCK_UN)
-    finally:
-        os.close(guard)
 
 
 def _silent_unlink(path: str) -> None:
