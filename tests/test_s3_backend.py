@@ -219,6 +219,38 @@ def test_memory_backend_roundtrip():
     assert ops.verify(url, deep=True).ok
 
 
+def test_stores_on_one_url_share_one_client_and_a_forked_child_makes_its_own(s3, bucket):
+    """Opening the store again (every ``stepvault.restore(url)``, CLI or dashboard call)
+    reuses the S3 client and its connections instead of paying ~0.1 s for new ones; a
+    forked child (a DataLoader worker) never uses its parent's and still reads the store."""
+    import multiprocessing
+
+    from stepvault.store import fs_cache
+
+    url = f"s3://{bucket}/shared"
+    opts = {"endpoint_url": s3.endpoint}
+    stepvault.save(backend_for(url, **opts), {"model": model(3)}, run="r", step=1)
+    first = backend_for(url, **opts)
+    assert backend_for(url, **opts).fs is first.fs
+    assert backend_for(f"s3://{bucket}/other", **opts).fs is first.fs  # a prefix: same client
+    assert open_fsspec(url, endpoint_url=s3.endpoint, anon=False).fs is not first.fs
+
+    def child(queue) -> None:
+        inherited = len(fs_cache._filesystems)
+        m = model(0)
+        step = stepvault.restore(backend_for(url, **opts), {"model": m}, run="r").step
+        queue.put((inherited, step, same_weights(m, model(3))))
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    assert queue.get(timeout=60) == (0, 1, True)
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert backend_for(url, **opts).fs is first.fs  # the parent's is still its own
+
+
 def test_missing_credentials_are_a_clear_error(s3, bucket, monkeypatch):
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)

@@ -34,6 +34,7 @@ from typing import Any
 
 from ..errors import StoreNotFoundError
 from .backend import Backend, Buffer, PreconditionFailed
+from .fs_cache import shared_filesystem
 from .names import check_key
 
 #: botocore settings for S3: bounded waits and retries with backoff on transient errors.
@@ -430,6 +431,16 @@ def _precondition_failed(exc: BaseException) -> bool:
     return _error_code(exc) in ("PreconditionFailed", "412")
 
 
+def _s3_filesystem(protocol: str, options: dict[str, Any]) -> Any:
+    import fsspec
+
+    fs = fsspec.filesystem(protocol, **options)
+    # s3fs retries some errors again around botocore's own retries: keep the product
+    # bounded, so a permanent failure surfaces in about two minutes, not ten.
+    fs.retries = 3
+    return fs
+
+
 def open_fsspec(url: str, **storage_options: Any) -> FsspecBackend:
     """A backend for an fsspec URL (``s3://bucket/prefix``, ``memory://name``, ``gs://...``).
 
@@ -461,6 +472,7 @@ def open_fsspec(url: str, **storage_options: Any) -> FsspecBackend:
         options["config_kwargs"] = config
         # Never answer list/exists from a cache: another process may have committed since.
         options.setdefault("use_listings_cache", False)
+        # Not fsspec's instance cache (shared with the user's s3fs objects): ours, fs_cache.
         options.setdefault("skip_instance_cache", True)
         if "endpoint_url" not in options:
             import os
@@ -469,16 +481,15 @@ def open_fsspec(url: str, **storage_options: Any) -> FsspecBackend:
             if endpoint:
                 options["endpoint_url"] = endpoint
     try:
-        fs = fsspec.filesystem(protocol, **options)
+        if protocol in ("s3", "s3a"):
+            fs = shared_filesystem(protocol, options, lambda: _s3_filesystem(protocol, options))
+        else:
+            fs = fsspec.filesystem(protocol, **options)
     except (ImportError, ValueError) as exc:
         raise StoreNotFoundError(
             f"{url!r}: no usable fsspec filesystem for {protocol}:// ({exc}); install its "
             "package (s3fs, gcsfs, adlfs...)"
         ) from exc
-    if protocol in ("s3", "s3a"):
-        # s3fs retries some errors again around botocore's own retries: keep the product
-        # bounded, so a permanent failure surfaces in about two minutes, not ten.
-        fs.retries = 3
     root = rest.strip("/")
     if protocol == "memory":
         root = "/" + root
