@@ -99,3 +99,47 @@ def test_damage_stops_the_pipeline_and_places_nothing(tmp_path):
         stepvault.restore(tmp_path, live, run="r", step=1, workers=2)
     assert all(float(v.abs().sum()) == 0 for v in live.values())
     assert threading.active_count() <= before  # readers and verifiers are gone
+
+
+def test_reads_run_ahead_of_slow_verification_but_never_past_the_budget(monkeypatch):
+    """The documented bound itself: with verification slowed down, the readers fill the
+    read-ahead budget (they do run ahead) and never hold more than it: bytes read and not
+    yet verified stay <= ``read_ahead``."""
+    import time
+
+    from stepvault.engine import fetch
+
+    url = f"memory://sv-{uuid.uuid4().hex[:8]}"
+    state = _state()
+    _small_chunks(url)
+    stepvault.save(url, state, run="r", step=1)
+    backend = CountingBackend(url)
+    store = Store(backend, Store.open(url).settings)  # type: ignore[arg-type]
+    opened = open_checkpoint(store, "r", 1, workers=2)
+    limit = opened.reader.read_ahead = 4 * UNIT
+    sizes = {d: e.size for d, e in opened.manifest.objects.items()}
+    lock = threading.Lock()
+    held, peak = [0], [0]
+    real_read, real_fetch = backend.read_bytes, fetch.fetch_object
+
+    def read_bytes(key: str) -> bytes:
+        data = real_read(key)
+        if key.startswith("objects/"):
+            with lock:  # counted once read: the bytes now wait for a verifier
+                held[0] += len(data)
+                peak[0] = max(peak[0], held[0])
+        return data
+
+    def slow_fetch(store, digest, **kw):
+        time.sleep(0.02)
+        try:
+            return real_fetch(store, digest, **kw)
+        finally:
+            with lock:
+                held[0] -= sizes[digest]
+
+    backend.read_bytes = read_bytes  # type: ignore[method-assign]
+    monkeypatch.setattr(fetch, "fetch_object", slow_fetch)
+    opened.verify_all()
+    assert held[0] == 0
+    assert 3 * UNIT <= peak[0] <= limit, (peak[0], limit)
