@@ -53,6 +53,41 @@ def test_gc_dry_run_then_real(tmp_path):
     assert stepvault.ops.usage(tmp_path).unreferenced_objects == 0
 
 
+def test_a_misspelt_best_metric_is_refused_and_deletes_nothing(tmp_path):
+    """A best-by rule on a metric no checkpoint records keeps nothing: with --keep-best 2
+    --metric val_los, gc used to delete every checkpoint but the newest, exit code 0."""
+    import warnings
+
+    import pytest
+
+    from stepvault.errors import InvalidNameError
+    from stepvault.policy import KeepBest, KeepLast
+
+    _fill(tmp_path)
+    runner = CliRunner()
+    base = ["--root", str(tmp_path), "gc", "r", "--keep-best", "2", "--metric", "val_los"]
+    for extra in ([], ["--dry-run"]):
+        out = runner.invoke(app, [*base, *extra, "--grace", "0"])
+        assert out.exit_code == 2, out.output
+        assert "unknown metric 'val_los'" in out.output and "'val_loss'" in out.output
+    assert stepvault.open(tmp_path).steps("r") == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(InvalidNameError, match="unknown metric 'vl'.*recorded: val_loss"):
+        stepvault.ops.collect_garbage(
+            stepvault.store.Store.open(tmp_path), run="r", keep=KeepLast(1) | KeepBest(1, "vl")
+        )
+    assert stepvault.open(tmp_path).steps("r") == [1, 2, 3, 4, 5, 6]
+    # The manager cannot refuse (a run may record the metric later), so it warns once.
+    model = torch.nn.Linear(4, 4)
+    keep = KeepLast(2) | KeepBest(1, "val_los")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with stepvault.CheckpointManager(tmp_path / "m", "m", keep=keep, async_save=False) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, {"model": model}, metrics={"val_loss": 1.0 / step})
+    typo = [w for w in seen if "'val_los'" in str(w.message)]
+    assert len(typo) == 1 and "'val_loss'" in str(typo[0].message), [str(w.message) for w in seen]
+
+
 def test_gc_respects_grace_and_needs_run_for_rules(tmp_path):
     _fill(tmp_path)
     runner = CliRunner()

@@ -15,7 +15,14 @@ from typing import Any
 from ..catalog import apply_retention
 from ..catalog.retention import name_registry_holds
 from ..core.info import SaveInfo
-from ..policy import KeepAny, KeepBest, KeepPolicy, RetentionPlan, plan_retention
+from ..policy import (
+    KeepAny,
+    KeepBest,
+    KeepPolicy,
+    RetentionPlan,
+    plan_retention,
+    tracked_metrics,
+)
 from ..store import Store
 from .session import RunSession
 from .sweeping import Sweeper
@@ -93,6 +100,7 @@ class Retention:
         self.mover = mover
         #: sweeps the deleted checkpoints' objects off the commit path (.sweeping)
         self.sweeper = sweeper
+        self._warned: set[str] = set()
 
     def plan(self) -> RetentionPlan:
         """What the keep policy would delete now, and which rule (or reader hold) keeps
@@ -112,15 +120,39 @@ class Retention:
             sweep_objects=False,
         ).plan
 
+    def _warn_misspelt(self, records: list[Any]) -> None:
+        """Warn once per metric when a best-by rule names a metric no checkpoint records
+        while one with a nearly equal name is recorded: a typo keeps nothing by that rule.
+        (Only then: a run may record the metric at its first evaluation, saves later.)"""
+        import difflib
+        import warnings
+
+        known = {m for r in records for m in r.metrics}
+        for metric, _ in tracked_metrics(self.keep):
+            if metric in known or metric in self._warned:
+                continue
+            near = difflib.get_close_matches(metric, sorted(known), n=1)
+            if near:
+                self._warned.add(metric)
+                warnings.warn(
+                    f"KeepBest({metric!r}): no checkpoint of run {self.session.run!r} "
+                    f"records {metric!r}, but they record {near[0]!r}: a typo? The rule "
+                    "keeps nothing until a checkpoint records its metric",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
     def apply(self) -> None:
         s = self.session
         if self.keep is None:
             return
+        records = s.records()
+        self._warn_misspelt(records)
         result = apply_retention(
             s.store,
             s.run,
             self.keep,
-            s.records(),
+            records,
             best_metrics=self.best,
             hold=self.mover.hold if self.mover is not None else None,
             grace_seconds=s.options.gc_grace_seconds,

@@ -10,7 +10,7 @@ from ..catalog import apply_retention, checkpoint_records
 from ..catalog.thinning import thinned_manifest
 from ..engine.gc import DEFAULT_GRACE_SECONDS, AsIf, SweepReport, sweep
 from ..format import parse_manifest
-from ..policy import KeepPolicy, RetentionPlan
+from ..policy import KeepPolicy, RetentionPlan, check_metrics_recorded
 from ..store import Store
 from ..store.lease import acquire_lease
 
@@ -68,11 +68,13 @@ def plan_gc(store: Store, run: str, keep: KeepPolicy, *, now: float | None = Non
     applied (deleting nothing) to the checkpoints of ``run`` in ``store`` itself (the hot
     store: a checkpoint only in a cold tier is not gc's to delete), with reader and
     registry holds named. The dashboard's preview calls this very function."""
+    records = checkpoint_records(store, run)
+    check_metrics_recorded(keep, {m for r in records for m in r.metrics}, run)
     return apply_retention(
         store,
         run,
         keep,
-        checkpoint_records(store, run),
+        records,
         dry_run=True,
         sweep_objects=False,
         by="gc",
@@ -102,6 +104,10 @@ def collect_garbage(
         if run is None:
             raise ValueError("a keep policy applies to one run: name the run")
         leases = []
+        records = checkpoint_records(store, run)
+        # A typo in a best-by metric keeps nothing by that rule: refused before anything
+        # is deleted (the newest would be all that stays).
+        check_metrics_recorded(keep, {m for r in records for m in r.metrics}, run)
         try:
             plan = (
                 plan_gc(store, run, keep)
@@ -110,7 +116,7 @@ def collect_garbage(
                     store,
                     run,
                     keep,
-                    checkpoint_records(store, run),
+                    records,
                     dry_run=dry_run,
                     sweep_objects=False,
                     by="gc",

@@ -20,6 +20,7 @@ from .base import (
     SaveDecision,
     SavePolicy,
     ThinEntry,
+    check_metrics_recorded,
 )
 from .keep import (
     KeepAny,
@@ -87,6 +88,7 @@ __all__ = [
     "TierPlan",
     "TierPolicy",
     "YoungDaly",
+    "check_metrics_recorded",
     "merge_decisions",
     "plan_retention",
     "plan_tiers",

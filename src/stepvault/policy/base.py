@@ -258,6 +258,30 @@ def tracked_metrics(policy: KeepPolicy | None) -> tuple[tuple[str, str], ...]:
     return tuple(dict.fromkeys((str(m), str(mode)) for m, mode in method()))
 
 
+def check_metrics_recorded(
+    policy: KeepPolicy | None, known: list[str] | set[str], run: str = ""
+) -> None:
+    """Refuse a policy that ranks by a metric no checkpoint of ``run`` records (``known``):
+    such a rule keeps nothing, so a typo (``val_los``) would leave only the newest
+    checkpoint and delete the best ones. Raises :class:`InvalidNameError` naming the metric,
+    the nearest recorded one and all of them."""
+    import difflib
+
+    from ..errors import InvalidNameError
+
+    names = sorted(known)
+    for metric, _ in tracked_metrics(policy):
+        if metric in known:
+            continue
+        near = difflib.get_close_matches(metric, names, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        where = f"run {run!r}" if run else "the run"
+        raise InvalidNameError(
+            f"unknown metric {metric[:64]!r}: no checkpoint of {where} records it, so a "
+            f"best-by rule would keep nothing; {hint}recorded: {', '.join(names) or 'none'}"
+        )
+
+
 class _Rule(KeepPolicy):
     """Value semantics for the stateless rules: equal configuration, equal rule."""
 
