@@ -71,7 +71,7 @@ def test_a_misspelt_best_metric_is_refused_and_deletes_nothing(tmp_path):
         assert out.exit_code == 2, out.output
         assert "unknown metric 'val_los'" in out.output and "'val_loss'" in out.output
     assert stepvault.open(tmp_path).steps("r") == [1, 2, 3, 4, 5, 6]
-    with pytest.raises(InvalidNameError, match="unknown metric 'vl'.*recorded: val_loss"):
+    with pytest.raises(InvalidNameError, match=r"unknown metric 'vl'.*recorded: val_loss"):
         stepvault.ops.collect_garbage(
             stepvault.store.Store.open(tmp_path), run="r", keep=KeepLast(1) | KeepBest(1, "vl")
         )
