@@ -374,6 +374,36 @@ def test_cli_tier_older_than_moves_only_aged_checkpoints(tmp_path, monkeypatch):
     assert res.exit_code == 2 and "bad duration" in res.output
 
 
+def test_cli_evict_leaves_pinned_held_registered_and_newest_in_hot(tmp_path):
+    """``tier RUN --to T --evict`` obeys the rules the mover's plan obeys: a pinned, a
+    reader-held and a registry-held checkpoint, and the newest, are copied but stay in hot
+    (each row says why); the rest leave hot. It used to evict all five."""
+    from stepvault.registry import Registry
+    from stepvault.store.reader_holds import live_holds
+
+    hot, cold = tmp_path / "hot", tmp_path / "c"
+    for step in (10, 20, 30, 40, 50):
+        stepvault.save(hot, {"model": model(step)}, run="r", step=step)
+    runner = CliRunner()
+    base = ["--root", str(hot)]
+    assert runner.invoke(app, [*base, "tiers", "add", "archive", str(cold)]).exit_code == 0
+    assert runner.invoke(app, [*base, "pin", "r@10"]).exit_code == 0
+    res = runner.invoke(app, [*base, "hold", "r@20", "--owner", "evaljob"])
+    assert res.exit_code == 0, res.output
+    Registry(Store.open(hot)).register("m", "r", 30)
+    res = runner.invoke(app, [*base, "tier", "r", "--to", "archive", "--evict", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["step"]: r for r in json.loads(res.output)}
+    assert [s for s, r in rows.items() if r["evicted"]] == [40]
+    assert "pinned" in rows[10]["kept"] and "evaljob" in rows[20]["kept"]
+    assert "registry" in rows[30]["kept"] and "newest" in rows[50]["kept"]
+    assert Store.open(hot).list_steps("r") == [10, 20, 30, 50]
+    assert Store.open(cold).list_steps("r") == [10, 20, 30, 40, 50]
+    assert 20 in live_holds(Store.open(hot), "r")
+    res = runner.invoke(app, [*base, "tier", "r@50", "--to", "archive", "--evict"])
+    assert res.exit_code == 0 and "kept: newest valid checkpoint" in res.output
+
+
 # ------------------------------------------------------------------------ S3 cold tier
 @pytest.mark.slow  # ~10 s of botocore backoff; the fast suite covers faults in test_s3_backend
 def test_s3_archive_behind_a_faulty_network(tmp_path, s3):

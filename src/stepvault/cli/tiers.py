@@ -86,6 +86,8 @@ def tier_cmd(
         rows = []
         lease = acquire_lease(hot, run) if evict else None
         try:
+            # Read under the lease: what must stay in hot, as the mover's plan keeps it.
+            stays = _stays_in_hot(hot, run, protected) if evict else {}
             for s in steps:
                 with progress_bars(as_json=as_json) as bars:
                     stats = copy_checkpoint(
@@ -100,11 +102,12 @@ def tier_cmd(
                     copy_pin(hot, target, run, s)
                 log_event(hot, run, "tier_copy", step=s, tier=to, bytes=stats.bytes_written)
                 evicted = False
-                if evict and target.backend.exists(Store.manifest_key(run, s)):
+                kept = stays.get(s) if evict else None
+                if evict and kept is None and target.backend.exists(Store.manifest_key(run, s)):
                     hot.delete_manifest(run, s)
                     log_event(hot, run, "tier_evict", step=s, kept_in=[to], by="cli")
                     evicted = True
-                rows.append({**stats.to_json(), "tier": to, "evicted": evicted})
+                rows.append({**stats.to_json(), "tier": to, "evicted": evicted, "kept": kept})
         finally:
             if lease is not None:
                 lease.release()
@@ -123,10 +126,30 @@ def tier_cmd(
             str(r["reused_objects"]),
             human_bytes(r["bytes_written"]),
             f"{r['seconds']:.2f}",
-            "evicted" if r["evicted"] else "kept",
+            "evicted" if r["evicted"] else f"kept: {r['kept']}" if r["kept"] else "kept",
         )
     print_table(table)
     return None
+
+
+def _stays_in_hot(hot: Any, run: str, protected: set[int]) -> dict[int, str]:
+    """Steps ``--evict`` leaves in hot, with why: the rules the mover's plan obeys
+    (STORAGE.md, "Tier policies"): the newest valid full checkpoint (a restart needs it
+    fast), pinned and registry-held ones, and those a reader holds (it may be reading)."""
+    from ..catalog import checkpoint_records
+    from ..store.reader_holds import live_holds
+
+    out: dict[int, str] = {}
+    full = [r.step for r in checkpoint_records(hot, run) if r.valid and r.kind == "full"]
+    if full:
+        out[full[-1]] = "newest valid checkpoint (a restart needs it)"
+    pins = set(hot.pinned_steps(run))
+    for step in protected:
+        out[step] = "pinned (unpin to move it)" if step in pins else "held by the model registry"
+    for step, holds in live_holds(hot, run, clean=False).items():
+        owners = ", ".join(sorted({h.owner or "?" for h in holds}))
+        out[step] = f"held by reader {owners} (stepvault release)"
+    return out
 
 
 def _saved_before(hot: Any, run: str, steps: list[int], cutoff: float) -> list[int]:
