@@ -404,6 +404,60 @@ def test_cli_evict_leaves_pinned_held_registered_and_newest_in_hot(tmp_path):
     assert res.exit_code == 0 and "kept: newest valid checkpoint" in res.output
 
 
+def test_verify_and_repair_check_every_copy_against_its_own_tier(tmp_path):
+    """Through the hot root, ``verify`` checks each tier's copy against that tier's own
+    manifest: a re-encoding archive (other stored sizes) sharing an object with a hot
+    checkpoint is not "truncated or replaced" (it was, for both checkpoints), and damage in
+    the archive copy of a checkpoint hot also holds is found and named by tier (it was
+    reported ok). ``repair`` then quarantines it in the archive (it checked hot only)."""
+    hot, cold = tmp_path / "hot", tmp_path / "c"
+    frozen = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))  # 1 MiB, shared
+    m = model(1)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            m[0].weight.add_(1.0)
+        stepvault.save(hot, {"frozen": frozen, "model": m}, run="r", step=step)
+    runner = CliRunner()
+    base = ["--root", str(hot)]
+    res = runner.invoke(app, [*base, "tiers", "add", "archive", str(cold), "--codec", "zstd"])
+    assert res.exit_code == 0, res.output
+    for ref, evict in (("r@1", ["--evict"]), ("r@3", [])):
+        assert runner.invoke(app, [*base, "tier", ref, "--to", "archive", *evict]).exit_code == 0
+    assert runner.invoke(app, [*base, "gc", "--grace", "0s"]).exit_code == 0
+    sizes = {
+        root: stepvault.open(root).manifest("r", 1 if root == cold else 2).stored_bytes
+        for root in (hot, cold)
+    }
+    assert sizes[cold] < sizes[hot]  # the archive re-encoded the shared object
+    report = ops.verify(hot, deep=True)
+    assert report.ok, [c.problems for c in report.damaged]
+    assert {c.step: c.tiers for c in report.checkpoints} == {
+        1: ["archive"],
+        2: ["hot"],
+        3: ["hot", "archive"],
+    }
+    # Damage the archive's copy of r@3's own object (hot still has a good one).
+    digest = next(
+        d
+        for d in stepvault.open(cold).manifest("r", 3).objects
+        if d not in stepvault.open(cold).manifest("r", 1).objects
+    )
+    path = cold / "objects" / digest[:2] / digest
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    res = runner.invoke(app, [*base, "verify", "--deep"])
+    assert res.exit_code == 1 and "DAMAGED  r@3  (in hot, archive)" in res.output, res.output
+    assert "in archive: object" in res.output and res.output.count("DAMAGED") == 1
+    res = runner.invoke(app, [*base, "repair"])
+    assert res.exit_code == 0 and "quarantined r@3 in archive" in res.output, res.output
+    assert Store.open(cold).list_steps("r") == [1] and Store.open(hot).list_steps("r") == [2, 3]
+    assert ops.verify(hot, deep=True).ok
+    # The hot copy was never touched: a new copy heals the archive.
+    assert runner.invoke(app, [*base, "tier", "r@3", "--to", "archive"]).exit_code == 0
+    assert ops.verify(cold, deep=True).ok and Store.open(cold).list_steps("r") == [1, 3]
+
+
 # ------------------------------------------------------------------------ S3 cold tier
 @pytest.mark.slow  # ~10 s of botocore backoff; the fast suite covers faults in test_s3_backend
 def test_s3_archive_behind_a_faulty_network(tmp_path, s3):

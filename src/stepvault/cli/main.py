@@ -218,6 +218,12 @@ def verify_cmd(
                 console.print(f"[red]DAMAGED[/]  {c.run}@{c.step}{where}", highlight=False)
                 for p in c.problems:
                     console.print(f"         - {p}", highlight=False)
+        for name, why in report.unreachable.items():
+            console.print(
+                f"[red]NOT CHECKED[/]  tier {name}: unreachable ({why}); what only it holds "
+                "is not listed above",
+                highlight=False,
+            )
         console.print(
             f"{mode} verify: {len(report.checkpoints)} checkpoints, {report.objects_checked} "
             f"objects ({human_bytes(report.bytes_checked)}), {len(report.damaged)} damaged",
@@ -313,21 +319,49 @@ def repair_cmd(
 ) -> None:
     """Deep-verify, then quarantine damaged checkpoints and objects so they are never offered
     again (manifests go to quarantine/manifests/, objects to quarantine/)."""
+    from ..tiers.view import TieredView, read_view
+
     try:
         store = Store.open(_root(root))
+        view = read_view(store)  # every tier: what `verify` checks, repair repairs
         if run is not None:
-            existing_run(store, run)  # a typo must not read as "0 checkpoints checked"
-        report = _ops().repair_store(store, run=run, dry_run=dry_run)
+            existing_run(view, run)  # a typo must not read as "0 checkpoints checked"
+        tiers = view._stores() if isinstance(view, TieredView) else [("hot", store)]
+        reports = [
+            (name, _ops().repair_store(tier, run=run, dry_run=dry_run))
+            for name, tier in tiers
+            if run is None or run in tier.list_runs()
+        ]
     except StepvaultError as exc:
         return _fail(exc)
+    unreachable = view.unreachable if isinstance(view, TieredView) else {}
     if as_json:
-        return _emit_json(report.to_json())
+        doc = reports[0][1].to_json() if len(tiers) == 1 and reports else {}
+        if len(tiers) > 1 or not reports:
+            doc = {"tiers": {name: r.to_json() for name, r in reports}}
+        return _emit_json({**doc, "unreachable": unreachable})
     verb = "would quarantine" if dry_run else "quarantined"
-    for c in report.verify.damaged:
-        console.print(f"[red]{verb}[/] {c.run}@{c.step}: {'; '.join(c.problems)}", highlight=False)
+    for name, report in reports:
+        where = f" in {name}" if len(tiers) > 1 else ""
+        for c in report.verify.damaged:
+            console.print(
+                f"[red]{verb}[/] {c.run}@{c.step}{where}: {'; '.join(c.problems)}",
+                highlight=False,
+            )
+        for ref, why in report.protected.items():
+            console.print(
+                f"[yellow]note:[/] {ref}{where} was {', '.join(why)}: a registry version "
+                "naming it cannot be restored; promote another (stepvault promote), or "
+                "restore the manifest from quarantine/manifests/ once its objects are back",
+                highlight=False,
+            )
+    for name, why in unreachable.items():
+        console.print(f"[yellow]tier {name} not checked:[/] unreachable ({why})")
     console.print(
-        f"{len(report.verify.checkpoints)} checkpoints checked, {len(report.removed)} "
-        f"{verb}, {len(report.quarantined_objects)} damaged objects {verb}",
+        f"{sum(len(r.verify.checkpoints) for _, r in reports)} checkpoints checked"
+        f"{f' in {len(reports)} tiers' if len(tiers) > 1 else ''}, "
+        f"{sum(len(r.removed) for _, r in reports)} {verb}, "
+        f"{sum(len(r.quarantined_objects) for _, r in reports)} damaged objects {verb}",
         highlight=False,
     )
     return None

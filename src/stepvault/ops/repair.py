@@ -22,6 +22,9 @@ class RepairReport:
     verify: VerifyReport
     removed: list[tuple[str, int]] = field(default_factory=list)
     quarantined_objects: list[str] = field(default_factory=list)
+    #: ``"run@step" -> what protected it``, for each removed checkpoint that was pinned or
+    #: held (by the model registry: its versions now name a quarantined checkpoint)
+    protected: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -29,6 +32,7 @@ class RepairReport:
             "damaged": [c.to_json() for c in self.verify.damaged],
             "removed": [f"{r}@{s}" for r, s in self.removed],
             "quarantined_objects": self.quarantined_objects,
+            "protected": self.protected,
         }
 
 
@@ -42,6 +46,12 @@ def repair_store(store: Store, *, run: str | None = None, dry_run: bool = False)
                 store.quarantine_object(digest)
     for damaged in report.verify.damaged:
         report.removed.append((damaged.run, damaged.step))
+        why = []
+        if damaged.step in store.pinned_steps(damaged.run):
+            why.append("pinned")
+        why += [f"held by {h}" for h in store.held_steps(damaged.run).get(damaged.step, [])]
+        if why:
+            report.protected[f"{damaged.run}@{damaged.step}"] = why
         if dry_run:
             continue
         key = store.manifest_key(damaged.run, damaged.step)

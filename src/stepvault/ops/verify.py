@@ -45,10 +45,12 @@ class VerifyReport:
     objects_checked: int = 0
     bytes_checked: int = 0
     bad_objects: dict[str, str] = field(default_factory=dict)
+    #: tiers that could not be reached, with why: what only they hold was not checked
+    unreachable: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checkpoints)
+        return all(c.ok for c in self.checkpoints) and not self.unreachable
 
     @property
     def damaged(self) -> list[CheckpointReport]:
@@ -62,6 +64,7 @@ class VerifyReport:
             "objects_checked": self.objects_checked,
             "bytes_checked": self.bytes_checked,
             "bad_objects": self.bad_objects,
+            "unreachable": self.unreachable,
         }
 
 
@@ -102,8 +105,11 @@ def verify_store(
     """Check every checkpoint of the store (or of ``run``, or just ``run@step``).
 
     ``progress(done, total)`` is called with the bytes checked so far (for a progress bar).
-    A :class:`~stepvault.tiers.TieredView` (see :func:`verify`) checks every tier: each
-    checkpoint where restore would read it, its report naming the tiers that hold it.
+    A :class:`~stepvault.tiers.TieredView` (see :func:`verify`) checks every copy: each
+    tier's checkpoints against that tier's own manifests and objects (a tier that
+    re-encodes stores other sizes), each report naming the tiers that hold it and each
+    problem the tier it is in; a tier that cannot be reached is listed in ``unreachable``
+    (and the report is not ok: what only it holds was not checked).
     """
     from ..tiers.view import TieredView
 
@@ -113,40 +119,88 @@ def verify_store(
     for r in runs:
         steps = [step] if step is not None else store.list_steps(r)
         targets += [(r, s) for s in steps]
-    manifests: list[tuple[CheckpointReport, Manifest | None]] = []
+    if not isinstance(store, TieredView):
+        copies = [("", store, _collect(store, targets))]
+    else:
+        copies = []
+        for name, tier in store._stores():
+            held = {r: set(tier.list_steps(r)) for r in {r for r, _ in targets}}
+            copies.append((name, tier, _collect(tier, [t for t in targets if t[1] in held[t[0]]])))
+        report.unreachable = dict(store.unreachable)
+    reports = {t: CheckpointReport(*t) for t in targets}
+    found: dict[tuple[str, int], list[tuple[str, str]]] = {t: [] for t in targets}
+    total = sum(sum(needed.values()) for _, _, (_, needed) in copies)
+    for name, tier, (manifests, needed) in copies:
+        bad = _check(tier, needed, deep, workers, report, progress, total)
+        for target, m, problems in manifests:
+            if name:
+                reports[target].tiers.append(name)
+            if m is not None:
+                problems += [_object_problem(d, bad[d]) for d in m.objects if d in bad]
+            found[target] += [(name, p) for p in problems]
+        for digest, problem in bad.items():
+            where = f"in {name}: " if name and len(copies) > 1 else ""
+            report.bad_objects[digest] = ", ".join(
+                filter(None, [report.bad_objects.get(digest), where + problem])
+            )
+    for target, rep in reports.items():
+        # Name the tier of a problem when the checkpoint has copies in several.
+        several = len(rep.tiers) > 1
+        rep.problems = [f"in {n}: {p}" if several else p for n, p in found[target]]
+        report.checkpoints.append(rep)
+    return report
+
+
+def _object_problem(digest: str, problem: str) -> str:
+    name = f"object {digest[:16]}…"
+    # A deep check's error names the object itself ("object 80cc… content does not...").
+    return problem if problem.startswith(name) else f"{name}: {problem}"
+
+
+def _collect(
+    store: Store, targets: list[tuple[str, int]]
+) -> tuple[list[tuple[tuple[str, int], Manifest | None, list[str]]], dict[str, int]]:
+    """Each target's manifest in ``store`` (None and a problem when it cannot be read)
+    and the objects they need, with the stored size each manifest records."""
+    manifests: list[tuple[tuple[str, int], Manifest | None, list[str]]] = []
     needed: dict[str, int] = {}
     for r, s in targets:
-        rep = CheckpointReport(r, s)
-        if isinstance(store, TieredView):
-            rep.tiers = store.where(r, s)
+        problems: list[str] = []
         try:
-            m = parse_manifest(store.read_manifest(r, s), f"{r}@{s}")
+            m: Manifest | None = parse_manifest(store.read_manifest(r, s), f"{r}@{s}")
         except StepvaultError as exc:
-            rep.problems.append(f"manifest: {exc}")
+            problems.append(f"manifest: {exc}")
             m = None
         if m is not None:
             for digest, obj in m.objects.items():
                 needed.setdefault(digest, obj.size)
-        manifests.append((rep, m))
+        manifests.append(((r, s), m, problems))
+    return manifests, needed
+
+
+def _check(
+    store: Store,
+    needed: dict[str, int],
+    deep: bool,
+    workers: int | None,
+    report: VerifyReport,
+    progress: Callable[[int, int | None], None] | None,
+    total: int,
+) -> dict[str, str]:
+    """Check each object of ``needed`` once in ``store``; the problems by digest."""
     check = _check_object_deep if deep else _check_object_quick
     digests = list(needed)
-    total = sum(needed.values())
+    bad: dict[str, str] = {}
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
         results = pool.map(lambda d: check(store, d, needed[d]), digests)
         for digest, problem in zip(digests, results):
             report.objects_checked += 1
             report.bytes_checked += needed[digest]
             if problem:
-                report.bad_objects[digest] = problem
+                bad[digest] = problem
             if progress is not None:
                 progress(report.bytes_checked, total)
-    for rep, m in manifests:
-        if m is not None:
-            for digest in m.objects:
-                if digest in report.bad_objects:
-                    rep.problems.append(f"object {digest[:16]}…: {report.bad_objects[digest]}")
-        report.checkpoints.append(rep)
-    return report
+    return bad
 
 
 def verify(
