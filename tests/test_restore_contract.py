@@ -265,3 +265,47 @@ def test_collective_manager_keeps_the_contract(tmp_path: Path) -> None:
             assert m["raised"] == "StateMismatchError", (rank, name, m)
             assert m["weight_same"] and m["opt_same"] and m["step_same"], (rank, name, m)
         assert got["mismatch_fresh"]["opt_empty"], (rank, got)
+
+
+@pytest.mark.parametrize("live_has_state", [False, True])
+def test_another_kind_of_optimizer_is_refused_and_left_unchanged(
+    tmp_path: Path, live_has_state: bool
+) -> None:
+    """AdamW's state restored into an SGD went through: SGD's momentum buffers and settings
+    were replaced by AdamW's and its next ``step()`` raised ``KeyError: 'momentum'``. A
+    fresh optimizer (no state yet: a new process) is told apart by its param groups' own
+    settings, one with state also by its per-parameter entries."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(adamw, 10)
+    model(torch.randn(2, 16)).sum().backward()
+    adamw.step()
+    sched.step()
+    stepvault.save(tmp_path, {"model": model, "optimizer": adamw}, run="r", step=1)
+    live = torch.nn.Linear(16, 4)
+    sgd = torch.optim.SGD(live.parameters(), lr=0.1, momentum=0.9)
+    if live_has_state:
+        live(torch.randn(2, 16)).sum().backward()
+        sgd.step()
+    before = (
+        json.dumps({k: v for k, v in sgd.state_dict().items() if k != "state"}, sort_keys=True),
+        [t.clone() for s in sgd.state.values() for t in s.values()],
+    )
+    with pytest.raises(StateMismatchError, match=r"another kind of optimizer.*SGD"):
+        stepvault.restore(tmp_path, {"model": live, "optimizer": sgd}, run="r")
+    after = (
+        json.dumps({k: v for k, v in sgd.state_dict().items() if k != "state"}, sort_keys=True),
+        [t.clone() for s in sgd.state.values() for t in s.values()],
+    )
+    assert before[0] == after[0] and all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    live(torch.randn(2, 16)).sum().backward()
+    sgd.step()  # still an SGD
+    # The same kind restores, with or without the scheduler's setting (initial_lr) live.
+    twin = torch.nn.Linear(16, 4)
+    again = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    fresh = {"model": twin, "optimizer": again}
+    assert stepvault.restore(tmp_path, fresh, run="r").step == 1
+    assert torch.equal(
+        again.state_dict()["state"][0]["exp_avg"], adamw.state_dict()["state"][0]["exp_avg"]
+    )

@@ -13,7 +13,10 @@ job's mean time between failures, ``tau`` the compute time between two saves.
   is a whole number of segments; :func:`segment_time` is the same expression for one
   segment, so a schedule of uneven segments is summed exactly.
 * The exact minimiser of ``T_w`` is ``tau = M (1 + W0(-e^(-1 - delta/M)))`` (W0: the
-  principal branch of Lambert's W), which Daly's series approximates.
+  principal branch of Lambert's W), which Daly's series approximates. Near the ends it is
+  evaluated without the rounding of that expression: for a tiny ``delta/M`` from the
+  series of ``1 + W0`` at the branch point (its first term is Young's ``sqrt(2 delta M)``),
+  for a huge one as ``M`` (``e^(-1 - delta/M)`` underflows; ``W0(x) ~ x``).
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ def daly_interval(delta: float, mtbf: float) -> float:
 
 
 def lambert_w0(x: float) -> float:
-    """Principal branch of Lambert's W for ``-1/e <= x < 0`` (all this module needs):
-    the ``w`` in ``(-1, 0]`` with ``w e^w = x``; Halley's iteration to machine precision."""
-    if not -1.0 / math.e <= x < 0.0:
-        raise ValueError(f"lambert_w0 is implemented for -1/e <= x < 0, got {x!r}")
+    """Principal branch of Lambert's W for ``-1/e <= x <= 0`` (all this module needs):
+    the ``w`` in ``[-1, 0]`` with ``w e^w = x``; Halley's iteration to machine precision."""
+    if not -1.0 / math.e <= x <= 0.0:
+        raise ValueError(f"lambert_w0 is implemented for -1/e <= x <= 0, got {x!r}")
+    if x == 0.0:  # also -0.0, what -e^(-1 - delta/M) underflows to
+        return 0.0
     if x == -1.0 / math.e:
         return -1.0
     # Start from the branch-point series (good near -1/e) or from x itself (good near 0).
@@ -67,9 +72,28 @@ def lambert_w0(x: float) -> float:
     return w
 
 
+#: Coefficients of ``1 + W0`` at the branch point in ``p = sqrt(2 (1 + e x))``:
+#: ``p - p^2/3 + 11/72 p^3 - 43/540 p^4 + 769/17280 p^5 - 221/8505 p^6``.
+_BRANCH_SERIES = (1.0, -1.0 / 3.0, 11.0 / 72.0, -43.0 / 540.0, 769.0 / 17280.0, -221.0 / 8505.0)
+
+#: Below this ``p`` the series is used: its first left-out term is ~1e-14 of the sum, while
+#: ``W0(x)`` itself would lose ~1e-16 / p^2 to the rounding of ``x`` next to ``-1/e``.
+_SERIES_BELOW = 1e-2
+
+
 def exact_interval(delta: float, mtbf: float) -> float:
-    """The ``tau`` that minimises Daly's ``T_w`` exactly: ``M (1 + W0(-e^(-1 - delta/M)))``."""
-    return mtbf * (1.0 + lambert_w0(-math.exp(-1.0 - delta / mtbf)))
+    """The ``tau`` that minimises Daly's ``T_w`` exactly: ``M (1 + W0(-e^(-1 - delta/M)))``.
+
+    With ``x = -e^(-1 - delta/M)``, ``1 + e x = -expm1(-delta/M)`` exactly, so for a small
+    ``delta/M`` the series of ``1 + W0`` in ``p = sqrt(2 (1 + e x))`` gives ``tau`` to full
+    precision (``~ sqrt(2 delta M)``, Young's, as ``delta/M -> 0``) where ``1 + W0(x)``
+    would cancel to 0; for a ``delta/M`` so large that ``x`` underflows, ``W0(x) = x``
+    rounds to 0 and ``tau = M``, the limit."""
+    ratio = delta / mtbf
+    p = math.sqrt(-2.0 * math.expm1(-ratio))
+    if p < _SERIES_BELOW:
+        return mtbf * p * math.fsum(c * p**i for i, c in enumerate(_BRANCH_SERIES))
+    return mtbf * (1.0 + lambert_w0(-math.exp(-1.0 - ratio)))
 
 
 def segment_time(work: float, delta: float, restart: float, mtbf: float) -> float:

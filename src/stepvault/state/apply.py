@@ -91,7 +91,9 @@ def _check_optimizer(key: str, opt: torch.optim.Optimizer, saved: Any) -> list[s
     groups, live_groups = saved["param_groups"], opt.param_groups
     if len(groups) != len(live_groups):
         return [f"{key}: {len(groups)} param groups in checkpoint, {len(live_groups)} live"]
-    problems = []
+    problems = _other_optimizer(key, opt, saved)
+    if problems:
+        return problems
     index_to_param: dict[Any, torch.Tensor] = {}
     for i, (g, lg) in enumerate(zip(groups, live_groups)):
         if len(g["params"]) != len(lg["params"]):
@@ -113,6 +115,45 @@ def _check_optimizer(key: str, opt: torch.optim.Optimizer, saved: Any) -> list[s
                     f"parameter {tuple(param.shape)}"
                 )
     return problems
+
+
+def _other_optimizer(key: str, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> list[str]:
+    """A checkpoint of another kind of optimizer (AdamW's state into an SGD): its param
+    groups have settings the live one lacks *and* lack settings it has (a checkpoint of an
+    older or newer torch differs in one direction only: a setting added since), or a
+    parameter's state has none of the entries the live one keeps for it. Loading it would
+    replace SGD's momentum with AdamW's moments and break the next step."""
+    saved_keys = {k for g in saved["param_groups"] if isinstance(g, dict) for k in g}
+    live_keys = {k for g in opt.param_groups for k in g}
+    extra, missing = sorted(saved_keys - live_keys), sorted(live_keys - saved_keys)
+    live_state = opt.state_dict()["state"]
+    clash = [
+        i
+        for i, pstate in saved["state"].items()
+        if isinstance(pstate, dict)
+        and i in live_state
+        and live_state[i]
+        and pstate
+        and not set(pstate) & set(live_state[i])
+    ]
+    if not (extra and missing) and not clash:
+        return []
+    kind = type(opt).__name__
+    if extra and missing:
+        detail = (
+            f"its param groups have {', '.join(extra[:6])}, which a {kind} lacks, and lack "
+            f"{', '.join(missing[:6])}"
+        )
+    else:
+        i = clash[0]
+        detail = (
+            f"state[{i}] holds {', '.join(sorted(saved['state'][i]))}, the live {kind} keeps "
+            f"{', '.join(sorted(live_state[i]))}"
+        )
+    return [
+        f"{key}: checkpoint holds the state of another kind of optimizer ({detail}); "
+        "build the optimizer the checkpoint was saved with, or leave it out of the restore"
+    ]
 
 
 def _check_stateful(key: str, obj: Any, saved: Any, saved_kind: str) -> list[str]:
