@@ -32,6 +32,7 @@ from ..store import Store, validate_run_name, validate_step
 from ..store.signing import Signer
 from ..tiers.mem import MemTier
 from ..tiers.mover import TierMover
+from . import at_exit
 from .options import ManagerOptions, RunSettings
 from .pipeline import build_pipeline
 from .preparing import Preparer
@@ -162,6 +163,8 @@ class CheckpointManager:
             enabled=async_save and isinstance(self._p.saves.writer, LocalWriter),
         )
         self._closed = False
+        if isinstance(self._p.saves.writer, LocalWriter):
+            at_exit.track(self)  # a script that never closes still commits its last save
         self._last_save_step: int | None = None
         self._last_save_time: float | None = None
         self._save_cost: float | None = None
@@ -442,6 +445,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        at_exit.forget(self)
         error = self._p.close()  # the shutdown order is the pipeline's
         if error is not None:
             raise error
