@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ import torch
 from training import Trainer, assert_same_training_state, make_model
 
 import stepvault
+from stepvault.catalog.events import read_events
+from stepvault.store import Store
 
 
 def test_exact_resume_is_bitwise_equal(tmp_path):
@@ -371,3 +374,24 @@ def test_restored_optimizer_state_owns_its_memory_and_trains_on(tmp_path):
         step(model2, opt2, s)
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_non_finite_metric_is_left_out_and_the_checkpoint_saved(tmp_path):
+    """A diverged loss (NaN) passed as a metric raised UnsupportedTypeError on the training
+    thread: the checkpoint of that step was lost, with on_save_error="warn" too."""
+    from stepvault import CheckpointManager, KeepBest, KeepLast
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(RuntimeWarning, match=r"val=nan are not finite"):
+        stepvault.save(tmp_path / "a", {"m": model}, run="r", step=1, metrics={"val": math.nan})
+    assert stepvault.open(tmp_path / "a").manifest("r", 1).metrics == {}
+    keep = KeepLast(1) | KeepBest(1, "val")
+    with CheckpointManager(tmp_path / "b", "r", keep=keep, async_save=True) as mgr:
+        for step, val in ((1, 0.5), (2, math.inf), (3, 0.9)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mgr.save(step, {"m": model}, metrics={"val": val, "loss": 1.0})
+    vault = stepvault.open(tmp_path / "b")
+    assert vault.steps("r") == [1, 3]  # step 2 was saved, then dropped by keep; 1 is best
+    events = [e for e in read_events(Store.open(tmp_path / "b"), "r") if e.get("step") == 2]
+    assert [e["event"] for e in events][:1] == ["save"]

@@ -23,8 +23,12 @@ def _scalar(v: Any) -> Any:
 
 
 def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """``metrics`` as finite floats by name; anything else is refused with its name."""
+    """``metrics`` as finite floats by name; a name or value that is not a number is refused
+    with its name. A NaN or infinite value (a diverged loss) is left out with a
+    ``RuntimeWarning``: refusing it would cost the checkpoint exactly when the run may need
+    it, and a best-by rule ranks a checkpoint without the metric neither best nor worst."""
     out: dict[str, float] = {}
+    dropped: list[str] = []
     for k, v in (metrics or {}).items():
         if not isinstance(k, str):
             raise UnsupportedTypeError(f"metric names must be str, got {k!r}")
@@ -33,8 +37,18 @@ def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
             raise UnsupportedTypeError(f"metric {k!r} must be a number, got {type(v).__name__}")
         v = float(v)
         if not math.isfinite(v):
-            raise UnsupportedTypeError(f"metric {k!r} is {v}; metrics must be finite numbers")
+            dropped.append(f"{k}={v}")
+            continue
         out[k] = v
+    if dropped:
+        import warnings
+
+        warnings.warn(
+            f"metrics {', '.join(dropped)} are not finite: saved without them (a diverged "
+            "loss? the checkpoint itself is saved; keep the value in metadata= if you need it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return out
 
 
