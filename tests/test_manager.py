@@ -225,6 +225,24 @@ def test_pins_survive_every_keep_policy(tmp_path):
         assert [c.step for c in mgr.checkpoints()] == [4]
 
 
+def test_pin_right_after_an_asynchronous_save_pins_it_once_committed(tmp_path):
+    """``mgr.pin(step)`` right after ``mgr.save(step)`` raised CheckpointNotFoundError
+    while the save was still in flight (async_save is the default)."""
+    from stepvault.errors import CheckpointNotFoundError
+
+    state = {"model": torch.nn.Linear(256, 256)}
+    with CheckpointManager(tmp_path, "r", keep=KeepLast(1)) as mgr:
+        mgr.prepare(state, wait=True)  # staging memory ready: the save is asynchronous
+        handle = mgr.save(1, state)
+        assert handle is not None and handle.asynchronous
+        mgr.pin(1, note="right away")
+        mgr.save(2, state)
+        mgr.wait()
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.pin(7)  # a step never saved is still an error
+    assert stepvault.open(tmp_path).steps("r") == [1, 2]
+
+
 def test_single_writer_lease(tmp_path):
     mgr = CheckpointManager(tmp_path, "r")
     with pytest.raises(LeaseHeldError, match="being written by"):

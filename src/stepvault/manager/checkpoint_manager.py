@@ -26,7 +26,7 @@ from ..catalog.lineage import Lineage
 from ..catalog.refs import newest_full_step
 from ..catalog.vault import Vault
 from ..core.info import RestoreInfo, SaveInfo
-from ..errors import NoValidCheckpointError, StepvaultError
+from ..errors import CheckpointNotFoundError, NoValidCheckpointError, StepvaultError
 from ..policy import KeepPolicy, RetentionPlan, SaveContext, SaveDecision, SavePolicy
 from ..store import Store, validate_run_name, validate_step
 from ..store.signing import Signer
@@ -365,8 +365,16 @@ class CheckpointManager:
         return self._p.retention.plan()
 
     def pin(self, step: int, note: str = "") -> None:
-        """Protect ``step`` from every keep policy until :meth:`unpin`."""
-        self.store.pin(self.run, step, note)
+        """Protect ``step`` from every keep policy until :meth:`unpin`; a step whose
+        asynchronous save is still in flight is pinned once it is committed."""
+        try:
+            self.store.pin(self.run, step, note)
+        except CheckpointNotFoundError:
+            bg = self._p.saves.bg
+            if bg is None or not bg.busy:
+                raise
+            self.wait()  # e.g. pin(step) right after save(step)
+            self.store.pin(self.run, step, note)
         self._p.session.event("pin", step=step, note=note)
 
     def unpin(self, step: int) -> None:
