@@ -458,6 +458,44 @@ def test_verify_and_repair_check_every_copy_against_its_own_tier(tmp_path):
     assert ops.verify(cold, deep=True).ok and Store.open(cold).list_steps("r") == [1, 3]
 
 
+def test_cli_pin_hold_annotate_attach_an_archived_checkpoint(tmp_path):
+    """A checkpoint moved off hot (``tier --evict``) is listed, shown, verified and
+    exported through the hot root; pin, hold, annotate and attach said "no committed
+    checkpoint" for it. Pins and holds now go to the tier that holds it (where its copy
+    lives), annotations and attachments to hot (where listings and exports read them)."""
+    hot, cold = tmp_path / "hot", tmp_path / "c"
+    for step in (1, 2, 3):
+        stepvault.save(hot, {"model": model(step)}, run="r", step=step)
+    runner = CliRunner()
+    base = ["--root", str(hot)]
+    assert runner.invoke(app, [*base, "tiers", "add", "archive", str(cold)]).exit_code == 0
+    assert runner.invoke(app, [*base, "tier", "r@1", "--to", "archive", "--evict"]).exit_code == 0
+    assert Store.open(hot).list_steps("r") == [2, 3]
+    res = runner.invoke(app, [*base, "pin", "r@1", "--note", "paper"])
+    assert res.exit_code == 0 and "pinned r@1 (in archive)" in res.output, res.output
+    assert Store.open(cold).pinned_steps("r") == [1]
+    res = runner.invoke(app, [*base, "hold", "r@1", "--owner", "evaljob", "--json"])
+    assert res.exit_code == 0, res.output
+    token = json.loads(res.output)["token"]
+    res = runner.invoke(app, [*base, "annotate", "r@1", "acc=0.5"])
+    assert res.exit_code == 0, res.output
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{}")
+    res = runner.invoke(app, [*base, "attach", "r@1", str(cfg)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, [*base, "ls", "r", "--json"])
+    row = next(r for r in json.loads(res.output) if r["step"] == 1)
+    assert row["metrics"].get("acc") == 0.5, row
+    res = runner.invoke(app, [*base, "show", "r@1"])
+    assert "config.json" in res.output, res.output
+    res = runner.invoke(app, [*base, "release", "r@1", "--token", token])
+    assert res.exit_code == 0, res.output
+    assert runner.invoke(app, [*base, "unpin", "r@1"]).exit_code == 0
+    assert Store.open(cold).pinned_steps("r") == []
+    res = runner.invoke(app, [*base, "pin", "r@9"])
+    assert res.exit_code == 2 and "(r has 1, 2, 3)" in res.output, res.output
+
+
 # ------------------------------------------------------------------------ S3 cold tier
 @pytest.mark.slow  # ~10 s of botocore backoff; the fast suite covers faults in test_s3_backend
 def test_s3_archive_behind_a_faulty_network(tmp_path, s3):

@@ -13,7 +13,16 @@ from ..catalog.refs import resolve_ref
 from ..errors import StepvaultError
 from ..format import parse_manifest
 from ..store import Store
-from .common import JsonOpt, RootOpt, _emit_json, _fail, _root, app, console, human_bytes
+from .common import (
+    JsonOpt,
+    RootOpt,
+    _emit_json,
+    _fail,
+    _root,
+    app,
+    console,
+    human_bytes,
+)
 from .output import print_table
 
 
@@ -57,17 +66,21 @@ def attach_cmd(
     The manifest is not rewritten (its hash is what annotations, signatures and the
     registry refer to): an attachment record is added next to it (FORMAT.md §8)."""
     from ..catalog.attachments import attach_after
+    from ..tiers.view import read_view
 
     try:
         store = Store.open(_root(root))
-        run, step = resolve_ref(store, ref)
+        # Through every tier (an archived checkpoint too); the record goes to hot, where
+        # show, diff and export read attachments.
+        view = read_view(store)
+        run, step = resolve_ref(view, ref)
         sources: dict[str, str] = {}
         for item in files:
             name, sep, path = item.partition("=")
             if not sep:
                 name, path = os.path.basename(item), item
             sources[name] = path
-        record = attach_after(store, run, step, sources, note=note)
+        record = attach_after(view, run, step, sources, note=note)
         log_event(store, run, "attach", step=step, files=sorted(record["files"]), note=note)
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)

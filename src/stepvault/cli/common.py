@@ -127,6 +127,28 @@ def existing_run(store: Store, run: str, *, also: Iterable[str] = ()) -> str:
     return existing_name("run", run, runs, store.backend.url, "stepvault ls")
 
 
+def checkpoint_home(store: Store, run: str, step: int) -> tuple[Store, str | None]:
+    """The store that holds ``run@step`` and the tier's name: the hot store itself (None),
+    or, for a checkpoint moved off hot (``tier --evict``), the first cold tier holding it,
+    where a pin, a hold or an attachment must go to protect or describe it. Otherwise a
+    :class:`CheckpointNotFoundError` naming the run's steps in every tier."""
+    from ..tiers.view import TieredView, read_view
+
+    if store.backend.exists(store.manifest_key(run, step)):
+        return store, None
+    view = read_view(store)
+    if isinstance(view, TieredView):
+        for name in view.where(run, step):
+            return view.tiers.get(name, create=False), name
+    existing_run(view, run)  # a typo: the nearest run names
+    steps = view.list_steps(run)
+    shown = ", ".join(map(str, steps[-10:])) or "none"
+    more = f"{len(steps)} checkpoints, the newest: " if len(steps) > 10 else ""
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint {run}@{step} in {store.backend.url} ({run} has {more}{shown})"
+    )
+
+
 def existing_name(kind: str, name: str, names: Iterable[str], where: str, listing: str) -> str:
     """``name`` when it is one of ``names``; otherwise a :class:`CheckpointNotFoundError`
     "no <kind> 'name' in <where>" with the nearest names, or the names there are, and the

@@ -20,6 +20,7 @@ from .common import (
     _root,
     _time,
     app,
+    checkpoint_home,
     console,
     duration_option,
     existing_run,
@@ -47,12 +48,14 @@ def hold_cmd(
     """Hold a checkpoint for a reader: keep policies, thinning, tier eviction and GC skip it
     until `stepvault release` or the TTL runs out."""
     from ..store.reader_holds import acquire_hold
+    from ..tiers.view import read_view
 
     try:
         store = Store.open(_root(root))
-        run, step = _ref(ref, store, "hold")
+        run, step = _ref(ref, read_view(store), "hold")  # RUN@latest: in any tier
+        home, _ = checkpoint_home(store, run, step)  # an archived one: held in its tier
         held = acquire_hold(
-            store, run, step, ttl=duration_option("--ttl", ttl), owner=owner, tie_to_process=False
+            home, run, step, ttl=duration_option("--ttl", ttl), owner=owner, tie_to_process=False
         )
         log_event(store, run, "hold", step=step, owner=owner, token=held.record.token)
     except (StepvaultError, ValueError, OSError) as exc:
@@ -113,7 +116,11 @@ def release_cmd(
     try:
         store = Store.open(_root(root))
         run, step = _ref(ref, store, "release")
-        released = release_holds(store, run, step, token=token, owner=owner)
+        try:
+            home, _ = checkpoint_home(store, run, step)  # an archived one: its tier's holds
+        except StepvaultError:
+            home = store  # gone everywhere: its holds in hot can still be released
+        released = release_holds(home, run, step, token=token, owner=owner)
         if not released:
             raise ValueError(f"no reader hold on {run}@{step} matches; see stepvault holds {run}")
         log_event(store, run, "release", step=step, holds=len(released))

@@ -29,6 +29,7 @@ from .common import (
     _root,
     _time,
     app,
+    checkpoint_home,
     console,
     duration_option,
     existing_run,
@@ -594,14 +595,15 @@ def pin_cmd(
         if not isinstance(step, int):
             raise ValueError("pin needs an exact step: RUN@STEP")
         store = Store.open(_root(root))
-        existing_run(store, run)
-        store.pin(run, step, note)
-        log_event(store, run, "pin", step=step, note=note)
+        home, tier = checkpoint_home(store, run, step)  # an archived one: in its tier
+        home.pin(run, step, note)
+        log_event(store, run, "pin", step=step, note=note, **({"tier": tier} if tier else {}))
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
     if as_json:
-        return _emit_json({"run": run, "step": step, "pinned": True, "note": note})
-    console.print(f"pinned {run}@{step}", highlight=False)
+        where = {"tier": tier} if tier else {}
+        return _emit_json({"run": run, "step": step, "pinned": True, "note": note, **where})
+    console.print(f"pinned {run}@{step}{f' (in {tier})' if tier else ''}", highlight=False)
     return None
 
 
@@ -617,11 +619,11 @@ def unpin_cmd(
         if not isinstance(step, int):
             raise ValueError("unpin needs an exact step: RUN@STEP")
         store = Store.open(_root(root))
-        existing_run(store, run)
-        if step not in store.pinned_steps(run):
-            raise ValueError(_not_pinned(store, run, step))
-        store.unpin(run, step)
-        log_event(store, run, "unpin", step=step)
+        home, tier = checkpoint_home(store, run, step)
+        if step not in home.pinned_steps(run):
+            raise ValueError(_not_pinned(home, run, step))
+        home.unpin(run, step)
+        log_event(store, run, "unpin", step=step, **({"tier": tier} if tier else {}))
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
     if as_json:

@@ -76,9 +76,12 @@ def annotate_cmd(
     """Attach evaluation metrics to a checkpoint after the fact (best-k and 'best' use them)."""
     try:
         run, step = _exact(ref)
-        record = annotate(
-            _root(root), run, step, _parse_metrics(metrics), note=note, signer=_signer(key)
-        )
+        # Through every tier (an archived checkpoint too); the record goes to hot, where
+        # listings and keep policies read annotations.
+        from ..tiers.view import read_view
+
+        view = read_view(Store.open(_root(root)))
+        record = annotate(view, run, step, _parse_metrics(metrics), note=note, signer=_signer(key))
     except (StepvaultError, ValueError) as exc:
         return _fail(exc)
     if as_json:
