@@ -496,6 +496,34 @@ def test_cli_pin_hold_annotate_attach_an_archived_checkpoint(tmp_path):
     assert res.exit_code == 2 and "(r has 1, 2, 3)" in res.output, res.output
 
 
+def test_cli_tier_to_hot_brings_an_archived_checkpoint_back(tmp_path):
+    """``tier RUN@STEP --to hot`` said "no tier named 'hot' (tiers: hot, archive)": it now
+    copies the archived checkpoint back into hot (verified), and never deletes from cold."""
+    hot, cold = tmp_path / "hot", tmp_path / "c"
+    for step in (1, 2, 3):
+        stepvault.save(hot, {"model": model(step)}, run="r", step=step)
+    runner = CliRunner()
+    base = ["--root", str(hot)]
+    res = runner.invoke(app, [*base, "tiers", "add", "archive", str(cold), "--codec", "zstd"])
+    assert res.exit_code == 0
+    assert runner.invoke(app, [*base, "tier", "r", "--to", "archive", "--evict"]).exit_code == 0
+    assert Store.open(hot).list_steps("r") == [3]
+    assert runner.invoke(app, [*base, "gc", "--grace", "0s"]).exit_code == 0
+    res = runner.invoke(app, [*base, "tier", "r@1", "--to", "hot", "--evict"])
+    assert res.exit_code == 2 and "nothing is deleted from a cold tier" in res.output
+    res = runner.invoke(app, [*base, "tier", "r", "--to", "hot", "--json"])
+    assert res.exit_code == 0, res.output
+    assert [r["step"] for r in json.loads(res.output)] == [1, 2]
+    assert Store.open(hot).list_steps("r") == [1, 2, 3]
+    assert Store.open(cold).list_steps("r") == [1, 2, 3]
+    assert ops.verify(hot, deep=True).ok
+    m = model(0)
+    assert stepvault.restore(Store.open(hot), {"model": m}, run="r", step=1).tier is None
+    assert equal(state_of(m), state_of(model(1)))
+    res = runner.invoke(app, [*base, "tier", "r@3", "--to", "hot"])
+    assert res.exit_code == 2 and "in hot already" in res.output
+
+
 # ------------------------------------------------------------------------ S3 cold tier
 @pytest.mark.slow  # ~10 s of botocore backoff; the fast suite covers faults in test_s3_backend
 def test_s3_archive_behind_a_faulty_network(tmp_path, s3):

@@ -64,6 +64,9 @@ def tier_cmd(
     try:
         hot = Store.open(_root(root))
         tiers = Tiers.of(hot)
+        if to == "hot":
+            rows = _to_hot(hot, tiers, ref, evict=evict, as_json=as_json)
+            return _emit_json(rows) if as_json else _print_rows(rows)
         target = tiers[to]
         run, step = parse_ref(ref)
         steps = hot.list_steps(run)
@@ -117,6 +120,47 @@ def tier_cmd(
         return _fail(StepvaultError(f"storage error while moving to {to!r}: {exc}"))
     if as_json:
         return _emit_json(rows)
+    return _print_rows(rows)
+
+
+def _to_hot(hot: Any, tiers: Any, ref: str, *, evict: bool, as_json: bool) -> list[dict]:
+    """``tier RUN[@STEP] --to hot``: copy archived checkpoints back into hot (verified, as
+    every tier copy), e.g. before a restart that should restore at local-disk speed; RUN
+    alone: every step only cold tiers hold. Cold tiers are archives: nothing leaves them."""
+    from ..catalog.events import log_event
+    from ..catalog.refs import parse_ref
+    from ..tiers.copy import copy_checkpoint
+    from ..tiers.view import TieredView
+
+    if evict:
+        raise StepvaultError("--evict with --to hot: nothing is deleted from a cold tier")
+    view = TieredView(tiers)
+    run, step = parse_ref(ref)
+    if step == "latest":
+        steps = view.list_steps(run)[-1:]
+    elif isinstance(step, int):
+        steps = [step]
+    else:
+        steps = sorted(set(view.list_steps(run)) - set(hot.list_steps(run)))
+    rows = []
+    in_hot = set(hot.list_steps(run))
+    for s in steps:
+        source = next((n for n in view.where(run, s) if n != "hot"), None)
+        if s in in_hot or source is None:
+            held = "in hot already" if s in in_hot else "in no tier"
+            raise StepvaultError(f"{run}@{s} is {held}: nothing to copy to hot")
+        with progress_bars(as_json=as_json) as bars:
+            stats = copy_checkpoint(
+                tiers[source], hot, run, s, progress=bars.task(f"{run}@{s} {source} -> hot")
+            )
+        log_event(hot, run, "tier_copy", step=s, tier="hot", source=source)
+        rows.append({**stats.to_json(), "tier": "hot", "evicted": False, "kept": None})
+    if not rows:
+        raise StepvaultError(f"run {run!r} has no checkpoint outside hot: nothing to copy")
+    return rows
+
+
+def _print_rows(rows: list[dict]) -> None:
     table = Table("step", "objects", "copied", "reused", "bytes written", "seconds", "hot copy")
     for r in rows:
         table.add_row(
