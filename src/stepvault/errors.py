@@ -32,6 +32,7 @@ __all__ = [
     "ResumeGapWarning",
     "SaveFailedError",
     "SigningError",
+    "SimulationTooLong",
     "StateMismatchError",
     "StepvaultError",
     "StoreNotFoundError",
@@ -225,6 +226,12 @@ class UntrustedInputError(StepvaultError):
 
 class PlanError(StepvaultError, ValueError):
     """A plan's input is missing or out of range; the message names the option to fix."""
+
+
+class SimulationTooLong(PlanError):
+    """A plan's failure simulation would need more events than it is allowed (a save cost
+    of many MTBFs: a save almost never completes before the next failure); the plan states
+    the closed form alone."""
 
 
 class ReadOnlyError(StepvaultError, PermissionError):

@@ -100,8 +100,13 @@ def segment_time(work: float, delta: float, restart: float, mtbf: float) -> floa
     """Expected wall time to get ``work`` seconds of compute plus a save of ``delta``
     committed, under exponential failures of mean ``mtbf``: each failure costs a restart of
     ``restart`` seconds (which may fail too) and a redo of the segment.
-    ``M e^(R/M) (e^((work + delta)/M) - 1)``; ``expm1`` keeps it accurate for tiny ratios."""
-    return mtbf * math.exp(restart / mtbf) * math.expm1((work + delta) / mtbf)
+    ``M e^(R/M) (e^((work + delta)/M) - 1)``; ``expm1`` keeps it accurate for tiny ratios.
+    ``inf`` where that exceeds a float (a save or restart of hundreds of MTBFs: the run is
+    not expected to finish)."""
+    try:
+        return mtbf * math.exp(restart / mtbf) * math.expm1((work + delta) / mtbf)
+    except OverflowError:
+        return math.inf
 
 
 def wall_time(segments: Iterable[tuple[float, float]], restart: float, mtbf: float) -> float:
@@ -117,5 +122,9 @@ def daly_wall_time(work: float, tau: float, delta: float, restart: float, mtbf: 
 
 def restart_time_expected(restart: float, mtbf: float) -> float:
     """Expected time from a failure until training runs again when the restart itself may
-    fail (exponential failures): ``M (e^(R/M) - 1)`` (the RTO; ``~ R`` for ``R << M``)."""
-    return mtbf * math.expm1(restart / mtbf)
+    fail (exponential failures): ``M (e^(R/M) - 1)`` (the RTO; ``~ R`` for ``R << M``);
+    ``inf`` where that exceeds a float."""
+    try:
+        return mtbf * math.expm1(restart / mtbf)
+    except OverflowError:
+        return math.inf

@@ -19,7 +19,7 @@ from typing import Any
 from . import interval as iv
 from .policies import parse_policy
 from .schedule import Schedule, every_steps, save_schedule
-from .simulate import simulate
+from .simulate import SimulationTooLong, simulate
 from .storage import StorageForecast, forecast_storage
 from .units import PlanError, parse_duration, parse_price, parse_size, positive
 
@@ -130,7 +130,8 @@ def _goodput(
     wall = iv.wall_time(segments, restart, mtbf)
     useful = schedule.total_steps * schedule.step_time
     saves = schedule.save_cost * len(schedule.points)
-    restart_total = wall * -math.expm1(-restart / mtbf)  # Wald: E[failures] E[min(X, R)]
+    # Wald: E[failures] E[min(X, R)] (no restart: none, even when the wall time overflows)
+    restart_total = wall * -math.expm1(-restart / mtbf) if restart else 0.0
     mean = schedule.mean_interval()
     # Worst case: a failure just before a save commits loses its whole segment and, for an
     # asynchronous save, the training done while it was being written.
@@ -146,7 +147,7 @@ def _goodput(
         useful_seconds=useful,
         save_seconds=saves,
         restart_seconds=restart_total,
-        lost_seconds=wall - useful - saves - restart_total,
+        lost_seconds=wall - useful - saves - restart_total if math.isfinite(wall) else wall,
         failures=wall / mtbf,
         rpo_seconds=rpo,
         rpo_steps=rpo / schedule.step_time,
@@ -161,7 +162,11 @@ def _simulated(inp: _Inputs, g: Goodput, schedule: Schedule, **kw: Any) -> dict[
             f"simulation handles ({SIMULATION_MAX_SAVES}); the closed form stands alone"
         )
         return None
-    return simulate(segments, useful=g.useful_seconds, **kw).to_json()
+    try:
+        return simulate(segments, useful=g.useful_seconds, **kw).to_json()
+    except SimulationTooLong as exc:  # a run that (almost) never finishes: say so, not spin
+        inp.assume(f"no simulation of {g.policy}: {exc}; the closed form stands alone")
+        return None
 
 
 def _mtbf(inp: _Inputs, mtbf: Duration | None, nodes: int | None, node_mtbf: Duration | None):

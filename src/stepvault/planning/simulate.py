@@ -11,7 +11,10 @@ hit by the next failure. The run is done when its progress reaches the end and i
 save, if any, is committed.
 
 The trials run together as numpy arrays, one event per trial per iteration, so the cost is
-(events per trial) x (a few array operations).
+(events per trial) x (a few array operations). It is bounded: a run the closed form expects
+to need more events (failures, restarts, saves) than ``max_events`` allows, and a trial that
+still goes on after twice its share of them, raise :class:`SimulationTooLong` rather than
+spin (a save cost of many MTBFs: a save almost never completes before the next failure).
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..errors import SimulationTooLong
+from .interval import wall_time
 from .units import PlanError
 
-__all__ = ["SimulationResult", "simulate"]
+__all__ = ["SimulationResult", "SimulationTooLong", "simulate"]
 
 Distribution = Literal["exponential", "weibull"]
 
@@ -71,6 +76,25 @@ class SimulationResult:
         }
 
 
+def _events_per_trial(segments: list[tuple[float, float]], restart: float, mtbf: float) -> float:
+    """What one trial is expected to take, generously: up to 4 events per save (its stall,
+    a wait, its commit) and 12 per failure (the failure, the restart, the segment redone),
+    the failures being the closed form's ``T_w / M`` (``inf`` if that overflows)."""
+    return 4.0 * len(segments) + 12.0 * wall_time(segments, restart, mtbf) / mtbf
+
+
+def _too_long(segments: list[tuple[float, float]], restart: float, mtbf: float) -> str:
+    wall = wall_time(segments, restart, mtbf)
+    if not math.isfinite(wall):
+        return (
+            "the closed form's expected wall time exceeds 1e308 s (the run is not expected to end)"
+        )
+    work = sum(w for w, _ in segments)
+    return (
+        f"the closed form expects {wall / mtbf:.3g} failures over the run (ETTR {work / wall:.3g})"
+    )
+
+
 def _sampler(rng: np.random.Generator, mtbf: float, distribution: str, shape: float | None):
     if distribution == "exponential":
         return lambda n: rng.exponential(mtbf, n)
@@ -100,7 +124,10 @@ def simulate(
 
     ``commit_delay``: seconds from the start of a save until it is committed (None: at the
     end of its stall, a synchronous save). ``max_events`` bounds iterations x trials; the
-    trial count is lowered to fit (never below 100) and the result says how many ran.
+    trial count is lowered to fit the events the closed form expects per trial (never below
+    100) and the result says how many ran. Raises :class:`SimulationTooLong` when even 100
+    trials do not fit, or when a trial is still running after ``2 * max_events / trials``
+    iterations (so it ends, whatever the failures).
     ``useful``: the compute seconds that count as progress (default: all segment work;
     a plan excludes the cost of weights-only saves, which segments carry as work).
     """
@@ -109,7 +136,15 @@ def simulate(
     if trials < 1:
         raise PlanError(f"--trials must be at least 1, got {trials}")
     n_seg = len(segments)
-    trials = max(min(trials, max_events // (4 * n_seg)), min(trials, 100))
+    per_trial = _events_per_trial(segments, restart, mtbf)
+    floor = min(trials, 100)
+    if floor * per_trial > max_events:
+        raise SimulationTooLong(
+            f"{_too_long(segments, restart, mtbf)}: simulating {floor} runs would take more "
+            f"than {max_events:,} events"
+        )
+    trials = max(min(trials, int(max_events // per_trial)), floor)
+    max_iterations = 2 * max_events // trials
     rng = np.random.default_rng(seed)
     draw = _sampler(rng, mtbf, distribution, weibull_shape)
 
@@ -135,7 +170,14 @@ def simulate(
     active = np.ones(trials, dtype=bool)
     kk = np.minimum(k, n_seg - 1)
 
+    iterations = 0
     while active.any():
+        iterations += 1
+        if iterations > max_iterations:
+            raise SimulationTooLong(
+                f"a simulated run took more than {max_iterations:,} events (failures, restarts, "
+                f"saves); {_too_long(segments, restart, mtbf)}"
+            )
         kk = np.minimum(k, n_seg - 1)
         has_pending = pending >= 0
         # Training: the stall of save k ends at max(arrival, previous commit) + cost.
