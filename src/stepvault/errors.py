@@ -235,8 +235,9 @@ class SimulationTooLong(PlanError):
 
 
 class ReadOnlyError(StepvaultError, PermissionError):
-    """A write was attempted through the dashboard's read-only view of a store (a
-    PermissionError, like a store opened with read-only credentials)."""
+    """A write to a store this process may not write: a local store without write
+    permission or on a read-only mount (the message names the store; reads still work), or
+    a write through the dashboard's read-only view of a store."""
 
 
 class UnsafeBindError(StepvaultError, ValueError):

@@ -20,13 +20,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import OutOfSpaceError
 from .backend import Backend, Buffer
 from .file_lock import FileLocks
 from .names import check_key
+from .write_errors import writes
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 def _fsync_dir(path: str) -> None:
@@ -232,28 +231,19 @@ class LocalBackend(Backend):
                     _start_writeback(fd)
             finally:
                 os.close(fd)
-        except OSError as exc:
+        except OSError:
             _silent_unlink(tmp)
-            self._raise_if_full(exc, key)
             raise
         return tmp, final
 
-    def _raise_if_full(self, exc: OSError, key: str) -> None:
-        """A full device becomes OutOfSpaceError (with the way out); the caller re-raises."""
-        if exc.errno in _NO_SPACE:
-            raise OutOfSpaceError(
-                exc.errno,
-                f"no space left on {self.url} while writing {key}; nothing new was "
-                "committed and earlier checkpoints are intact. Free space (e.g. "
-                "'stepvault gc') or save to another store.",
-            ) from exc
-
+    @writes
     def put_atomic(
         self, key: str, parts: Sequence[Buffer], *, overwrite: bool = True, durable: bool = True
     ) -> None:
         tmp, final = self._write_tmp(key, parts, durable=durable)
         self._make_visible(key, tmp, final, overwrite=overwrite, durable=durable)
 
+    @writes
     def put_fenced(
         self,
         key: str,
@@ -284,14 +274,14 @@ class LocalBackend(Backend):
                 # link() fails with EEXIST if the name exists: create-if-absent, atomically.
                 os.link(tmp, final)
                 os.unlink(tmp)
-        except OSError as exc:
+        except OSError:
             _silent_unlink(tmp)
-            self._raise_if_full(exc, key)
             raise
         if durable:
             with self._lock:
                 self._dirty.add(os.path.dirname(final))
 
+    @writes
     def exclusive(
         self, key: str, timeout: float = 30.0, *, abandoned: Callable[[], bool] | None = None
     ) -> AbstractContextManager[None]:
@@ -301,6 +291,7 @@ class LocalBackend(Backend):
         self._ensure_dir(os.path.dirname(path))
         return self._locks.hold(path, f"{self.url}/{key}", timeout, abandoned)
 
+    @writes
     def put_staged(self, key: str, parts: Sequence[Buffer]) -> _Staged:
         # Written without fsync, writeback started at once: the device works on this file
         # while the next one is encoded; publish() then waits for all of them together.
@@ -309,6 +300,7 @@ class LocalBackend(Backend):
         tmp, final = self._write_tmp(key, parts, durable=False)
         return _Staged(key, tmp, final)
 
+    @writes
     def publish(self, tokens: Sequence[object]) -> None:
         staged = [t for t in tokens if isinstance(t, _Staged)]
         if not staged:
@@ -319,9 +311,8 @@ class LocalBackend(Backend):
             else:
                 with ThreadPoolExecutor(max_workers=min(16, len(staged))) as pool:
                     list(pool.map(_fsync_path, [t.tmp for t in staged]))
-        except OSError as exc:
+        except OSError:
             self.discard(staged)
-            self._raise_if_full(exc, f"{len(staged)} staged objects")
             raise
         # Durable now: make each visible (rename is atomic; identical content may already
         # be there from another writer, which replace() keeps correct).
@@ -339,6 +330,7 @@ class LocalBackend(Backend):
             if isinstance(t, _Staged):
                 _silent_unlink(t.tmp)
 
+    @writes
     def touch(self, key: str) -> bool | None:
         try:
             os.utime(self._path(key), follow_symlinks=False)
@@ -349,6 +341,7 @@ class LocalBackend(Backend):
     def mtime(self, key: str) -> float:
         return os.stat(self._path(key), follow_symlinks=False).st_mtime
 
+    @writes
     def append(self, key: str, data: bytes) -> None:
         path = self._path(key)
         self._ensure_dir(os.path.dirname(path))
@@ -359,6 +352,7 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
+    @writes
     def delete(self, key: str) -> None:
         self._locks.check()  # refused under a lock that was broken
         try:
