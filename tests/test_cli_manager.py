@@ -116,3 +116,25 @@ def test_pin_unpin_and_events(tmp_path):
     assert events.count("delete") == 4
     out = runner.invoke(app, [*base, "events", "r", "--tail", "3"])
     assert out.exit_code == 0 and "unpin" in out.output
+
+
+def test_damaged_data_exits_1_with_the_way_out_a_typo_exits_2(tmp_path):
+    """``diff`` and ``export`` of a damaged checkpoint exited 2 (documented for usage
+    errors) and named no next step; damage now exits 1, as ``verify`` does, and says how to
+    find and take out every damaged checkpoint."""
+    _fill(tmp_path, steps=(1, 2))
+    manifest = stepvault.open(tmp_path).manifest("r", 2)
+    digest = next(iter(manifest.objects))
+    path = tmp_path / "objects" / digest[:2] / digest
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    runner = CliRunner()
+    base = ["--root", str(tmp_path)]
+    out_dir = tmp_path / "out.safetensors"
+    for args in (["diff", "r@1", "r@2"], ["export", "r@2", "-o", str(out_dir)]):
+        res = runner.invoke(app, [*base, *args])
+        assert res.exit_code == 1, (args, res.output)
+        assert "does not match its hash" in res.output and "stepvault repair" in res.output
+    res = runner.invoke(app, [*base, "export", "r@7", "-o", str(out_dir)])
+    assert res.exit_code == 2 and "no committed checkpoint" in res.output

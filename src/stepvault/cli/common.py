@@ -192,5 +192,17 @@ def _fail_text(text: str) -> NoReturn:
 
 
 def _fail(exc: Exception) -> None:
-    """Print ``error: <exc>`` as one line on stderr and exit 2 (a usage error)."""
+    """Print ``error: <exc>`` as one line on stderr and exit 2 (a usage error), or exit 1
+    with the way out when the store's data is damaged (an ``IntegrityError``: what
+    ``verify`` exits 1 for), so scripts tell damage from a typo."""
+    from ..errors import IntegrityError
+
+    if isinstance(exc, IntegrityError):
+        text = _one_line(exc)
+        err_console.print(
+            f"[bold red]error:[/] {escape(text)}; find every damaged checkpoint with "
+            "'stepvault verify --deep', take them out of use with 'stepvault repair'",
+            highlight=False,
+        )
+        raise typer.Exit(1)
     _fail_text(_one_line(exc))
