@@ -449,6 +449,7 @@ def test_verify_and_repair_check_every_copy_against_its_own_tier(tmp_path):
     res = runner.invoke(app, [*base, "verify", "--deep"])
     assert res.exit_code == 1 and "DAMAGED  r@3  (in hot, archive)" in res.output, res.output
     assert "in archive: object" in res.output and res.output.count("DAMAGED") == 1
+    assert "stepvault repair" in res.output
     res = runner.invoke(app, [*base, "repair"])
     assert res.exit_code == 0 and "quarantined r@3 in archive" in res.output, res.output
     assert Store.open(cold).list_steps("r") == [1] and Store.open(hot).list_steps("r") == [2, 3]

@@ -230,6 +230,12 @@ def verify_cmd(
             f"objects ({human_bytes(report.bytes_checked)}), {len(report.damaged)} damaged",
             highlight=False,
         )
+        if report.damaged:
+            console.print(
+                "restore already falls back past damaged checkpoints; 'stepvault repair' "
+                "(--dry-run first) quarantines them so nothing offers them again",
+                highlight=False,
+            )
     if not as_json:
         for e in registry:
             detail = f" ({e['detail']})" if e.get("detail") else ""
