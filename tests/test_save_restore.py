@@ -395,3 +395,23 @@ def test_a_non_finite_metric_is_left_out_and_the_checkpoint_saved(tmp_path):
     assert vault.steps("r") == [1, 3]  # step 2 was saved, then dropped by keep; 1 is best
     events = [e for e in read_events(Store.open(tmp_path / "b"), "r") if e.get("step") == 2]
     assert [e["event"] for e in events][:1] == ["save"]
+
+
+def test_a_file_as_store_and_a_missing_step_are_errors_that_say_what_exists(tmp_path):
+    """A file given as the store raised a bare NotADirectoryError; a missing step named no
+    step the run has."""
+    from stepvault.errors import CheckpointNotFoundError, StoreNotFoundError
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(StoreNotFoundError, match="is a file"):
+        stepvault.save(a_file, {"m": model}, run="r", step=1)
+    with pytest.raises(StoreNotFoundError, match="is a file"):
+        stepvault.open(a_file / "sub")
+    for step in (1, 2, 5):
+        stepvault.save(tmp_path / "s", {"m": model}, run="r", step=step)
+    with pytest.raises(CheckpointNotFoundError, match=r"r@3 .*\(r has 1, 2, 5; .*ops\.hold"):
+        stepvault.open(tmp_path / "s").checkpoint("r", 3).load()
+    with pytest.raises(CheckpointNotFoundError, match=r"r@9 .*\(r has 1, 2, 5\)$"):
+        stepvault.restore(tmp_path / "s", {"m": model}, run="r", step=9)

@@ -36,6 +36,7 @@ from ..errors import (
     CheckpointNotFoundError,
     LockBrokenError,
     ManifestError,
+    StepvaultError,
     StoreNotFoundError,
     StoreVersionError,
 )
@@ -133,6 +134,11 @@ class Store:
         backend = backend_for(root)
         try:
             raw = backend.read_bytes(SETTINGS_KEY)
+        except NotADirectoryError:
+            raise StoreNotFoundError(
+                f"{backend.url} is a file (or lies under one), not a stepvault store: name "
+                "the store's directory, or a new one for a new store"
+            ) from None
         except FileNotFoundError:
             if not create:
                 raise StoreNotFoundError(
@@ -401,9 +407,29 @@ class Store:
         if isinstance(exc, FileNotFoundError):
             return CheckpointNotFoundError(
                 f"no committed checkpoint {run}@{step} in {self.backend.url}"
+                f"{self._steps_hint(run, step)}"
             )
         # e.g. ELOOP: a symlink planted where a manifest belongs
         return ManifestError(f"{run}@{step}: manifest cannot be read safely: {exc}")
+
+    def _steps_hint(self, run: str, step: int) -> str:
+        """`` (r has 1, 2, 5)``, and when ``step`` is older than the newest, that a keep
+        policy may have deleted it since (a reader holds what it reads: ops.hold)."""
+        try:
+            steps = self.list_steps(run)
+        except (OSError, StepvaultError):
+            return ""
+        if not steps:
+            return f" (run {run!r} has no checkpoint there)"
+        shown = ", ".join(map(str, steps[-10:]))
+        more = f"{len(steps)} checkpoints, the newest: " if len(steps) > 10 else ""
+        gone = (
+            "; if it was there, a keep policy or gc has deleted it since (a reader holds "
+            "what it reads with stepvault.ops.hold)"
+            if steps[0] < step < steps[-1]
+            else ""
+        )
+        return f" ({run} has {more}{shown}{gone})"
 
     def commit_manifest(self, run: str, step: int, data: bytes, *, overwrite: bool) -> None:
         """Make a checkpoint visible: every object must already be durable (call sync()).
