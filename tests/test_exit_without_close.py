@@ -56,3 +56,25 @@ def test_the_save_in_flight_is_committed_when_the_script_ends_without_close(
     # The lease was released: a new writer takes the run at once.
     with stepvault.CheckpointManager(root, "r", async_save=False) as mgr:
         assert mgr.restore({"model": torch.nn.Linear(512, 512), "step": 0})
+
+
+def test_a_forked_dataloader_worker_never_closes_its_parents_manager(tmp_path: Path) -> None:
+    """A forked child runs the interpreter's exit hooks when it ends: DataLoader workers
+    closed the inherited manager and released the run's lease, so the next commit after an
+    epoch raised LeaseLostError."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(
+        TensorDataset(torch.arange(8.0)),
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
+    model = torch.nn.Linear(4, 4)
+    with stepvault.CheckpointManager(tmp_path, "r", async_save=False) as mgr:
+        step = 0
+        for _ in range(2):  # the workers of each epoch exit at its end
+            for _batch in loader:
+                step += 1
+            mgr.save(step, {"model": model})
+    assert stepvault.open(tmp_path).steps("r") == [4, 8]

@@ -10,11 +10,14 @@ its writers ("cannot schedule new futures after interpreter shutdown"), logged o
 last registered first: registered after ``concurrent.futures`` (imported before any manager
 exists), this one closes the open managers while their pools still take work. It is the
 hook ``concurrent.futures`` itself uses. A manager of a process group is not closed here:
-its close is collective, and a rank that exits alone would wait for the others.
+its close is collective, and a rank that exits alone would wait for the others. Nor is one
+in a forked child (a DataLoader worker runs the same hook when it ends): it would release
+its parent's lease.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any
@@ -22,6 +25,9 @@ from typing import Any
 _open: dict[int, Any] = {}
 _lock = threading.Lock()
 _registered = False
+#: the process whose managers these are: a forked child (a DataLoader worker) runs the
+#: same exit hook when it ends, and must not close its parent's manager (and its lease)
+_pid = os.getpid()
 
 
 def track(manager: Any) -> None:
@@ -48,6 +54,8 @@ def forget(manager: Any) -> None:
 
 
 def _close_open() -> None:
+    if os.getpid() != _pid:
+        return  # a forked child ending: its parent's managers are not its to close
     with _lock:
         managers = list(_open.values())
     for manager in managers:
@@ -58,3 +66,13 @@ def _close_open() -> None:
                 f"stepvault: run {manager.run!r}: closing the manager at exit (it was not "
                 f"closed) failed: {type(exc).__name__}: {exc}\n"
             )
+
+
+def _forked() -> None:
+    global _lock, _pid
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _open.clear()
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
