@@ -510,6 +510,9 @@ def test_cli_tier_to_hot_brings_an_archived_checkpoint_back(tmp_path):
     assert runner.invoke(app, [*base, "tier", "r", "--to", "archive", "--evict"]).exit_code == 0
     assert Store.open(hot).list_steps("r") == [3]
     assert runner.invoke(app, [*base, "gc", "--grace", "0s"]).exit_code == 0
+    # stepvault.restore says where the bytes came from, as mgr.restore does (it said None).
+    info = stepvault.restore(hot, {"model": model(0)}, run="r", step=1)
+    assert info.tier == "archive" and info.tier_bytes.get("archive", 0) > 0, info
     res = runner.invoke(app, [*base, "tier", "r@1", "--to", "hot", "--evict"])
     assert res.exit_code == 2 and "nothing is deleted from a cold tier" in res.output
     res = runner.invoke(app, [*base, "tier", "r", "--to", "hot", "--json"])
@@ -519,7 +522,7 @@ def test_cli_tier_to_hot_brings_an_archived_checkpoint_back(tmp_path):
     assert Store.open(cold).list_steps("r") == [1, 2, 3]
     assert ops.verify(hot, deep=True).ok
     m = model(0)
-    assert stepvault.restore(Store.open(hot), {"model": m}, run="r", step=1).tier is None
+    assert stepvault.restore(Store.open(hot), {"model": m}, run="r", step=1).tier == "hot"
     assert equal(state_of(m), state_of(model(1)))
     res = runner.invoke(app, [*base, "tier", "r@3", "--to", "hot"])
     assert res.exit_code == 2 and "in hot already" in res.output

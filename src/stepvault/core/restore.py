@@ -172,6 +172,10 @@ def restore(
         on_sharded=lambda _step: _no_assign(assign),
         verify=verify,
     )
+    served = getattr(store, "served", None)
+    if served is not None:  # read through the tiers: where the bytes came from, as mgr.restore
+        info.tier_bytes = dict(served)
+        info.tier = max(served, key=lambda t: served[t]) if served else "hot"
     _warn_lacking(info, state)
     return info
 
