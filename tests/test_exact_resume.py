@@ -260,6 +260,7 @@ def test_fresh_process_resume_is_bitwise(setup, tmp_path):
         "lightning_dataloader",
         "transformers_dataloader",
         "accelerate_dataloader",
+        "accelerate_stateful",  # was a measured limit: repeated the epoch (now exact)
     ],
 )
 def test_resume_after_the_last_batch_of_an_epoch_is_exact(setup, tmp_path):
@@ -279,21 +280,6 @@ def test_resume_after_the_last_batch_of_an_epoch_is_exact(setup, tmp_path):
         ignore=ignore,
     )
     assert report.compared_batches == (0 if setup.startswith("transformers") else 20)
-
-
-@pytest.mark.slow
-@needs_torchdata
-def test_accelerate_stateful_loader_after_the_last_batch_is_not_exact(tmp_path):
-    """Measured limit (accelerate 1.16 + torchdata 0.11): a prepared stateful loader
-    restored after an epoch's last batch repeats data at the next step; wrap an ordinary
-    prepared loader in a ResumableLoader instead (exact above). If this starts to pass,
-    update INTEGRATIONS.md."""
-    pytest.importorskip("accelerate")
-    end = setups.BATCHES_PER_EPOCH
-    report = check_exact_resume(
-        setups.accelerate_stateful, steps=12, interrupt_at=end, isolate="none", workdir=tmp_path
-    )
-    assert (report.first_difference.step, report.first_difference.what) == (end + 1, "batch")
 
 
 @pytest.mark.slow

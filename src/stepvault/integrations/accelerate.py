@@ -28,8 +28,12 @@ optimizer and scheduler, the ``GradScaler``, the state of stateful data loaders
 (``DataLoaderConfiguration(use_stateful_dataloader=True)``), the RNGs (Python, numpy,
 torch, CUDA), ``accelerator.step`` and each object registered with
 ``accelerator.register_for_checkpointing`` — as one verified, pickle-free checkpoint,
-plus the ``extra`` values you pass. With several processes (DDP under ``accelerate launch``
-or ``torchrun``) every rank calls these together, as it calls ``accelerator.save_state``:
+plus the ``extra`` values you pass. A stateful loader saved right after the last batch of
+an epoch, before the loop has seen the epoch end, resumes with the end of that epoch (its
+first ``iter()`` yields nothing, so a ``for batch in loader`` loop runs its end-of-epoch
+code and then asks for the next epoch), as :class:`~stepvault.ResumableLoader` does.
+With several processes (DDP under ``accelerate launch`` or ``torchrun``) every rank calls
+these together, as it calls ``accelerator.save_state``:
 replicated tensors are written once, each rank's RNG state is kept apart, and the
 checkpoint is committed only once every rank has written its part. With an FSDP plugin
 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, or FSDP1 with FULL_SHARD or
@@ -59,6 +63,7 @@ from typing import Any, Literal
 from ._common import missing_framework, sharded_collective
 from ._fsdp1 import give_world_mesh, is_fsdp1
 from ._staging import StagingPreparer
+from .accelerate_loaders import _epoch_end_positions, _stateful_loaders
 
 try:
     import accelerate
@@ -93,6 +98,8 @@ def accelerator_state(
     Keys: ``model``, ``optimizer``, ``scheduler`` (``model_1``... for the second and later
     ones), ``dataloader``... (stateful data loaders only), ``scaler``, ``rng``,
     ``accelerate_step``, ``custom_0``... (``register_for_checkpointing``), then ``extra``.
+    :func:`save_state` and :class:`AcceleratorCheckpointer` also record whether the loop,
+    at an epoch's last batch, has still to see the epoch end (:mod:`.accelerate_loaders`).
     """
     _check_distributed_type(accelerator)
     state: dict[str, Any] = {}
@@ -111,8 +118,7 @@ def accelerator_state(
         state[_name("optimizer", i)] = opt
     for i, sched in enumerate(accelerator._schedulers):
         state[_name("scheduler", i)] = sched
-    stateful = [dl for dl in accelerator._dataloaders if getattr(dl, "use_stateful_dataloader", 0)]
-    for i, loader in enumerate(stateful):
+    for i, loader in enumerate(_stateful_loaders(accelerator)):
         state[_name("dataloader", i)] = loader
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler
@@ -213,7 +219,8 @@ def save_state(
     ...). Returns its :class:`~stepvault.SaveInfo`.
     """
     save_options.setdefault("metadata", _metadata())
-    return save(root, accelerator_state(accelerator, extra), run=run, step=step, **save_options)
+    with _epoch_end_positions(accelerator):
+        return save(root, accelerator_state(accelerator, extra), run=run, step=step, **save_options)
 
 
 def load_state(
@@ -353,9 +360,11 @@ class AcceleratorCheckpointer:
 
             if not (self.manager.should_save(step, epoch) or force):
                 return None
+            with _epoch_end_positions(self.accelerator):
+                client = client_state(self.accelerator, self.extra)
             return self.deepspeed.save(
                 step,
-                client_state=client_state(self.accelerator, self.extra),
+                client_state=client,
                 metrics=metrics,
                 force=True,
                 epoch=epoch,
@@ -363,9 +372,10 @@ class AcceleratorCheckpointer:
             )
         if self.manager.should_save(step, epoch) or force:
             state = accelerator_state(self.accelerator, self.extra)
-            return self.manager.save(
-                step, state, epoch=epoch, metrics=metrics, metadata=_metadata(), force=force
-            )
+            with _epoch_end_positions(self.accelerator):  # the state is taken in save()
+                return self.manager.save(
+                    step, state, epoch=epoch, metrics=metrics, metadata=_metadata(), force=force
+                )
         # Not due: a fresh Adam has its moments now (after its first step), or restore()
         # was never called; prepare for the state as it will be saved.
         self._prepare_staging(self.manager, _bulk(accelerator_state(self.accelerator)))
