@@ -374,3 +374,25 @@ def test_prometheus_metrics(tmp_path):
         mgr.wait()
     assert registry.get_sample_value("stepvault_saves_total", {"run": "r", "kind": "full"}) == 1
     assert registry.get_sample_value("stepvault_latest_step", {"run": "r"}) == 5
+
+
+def test_restoring_an_older_step_warns_that_newer_checkpoints_will_be_replaced(tmp_path):
+    """``resume_from_checkpoint`` of an older step silently overwrote the newer ones as
+    training reached them, and until then "latest" was the abandoned timeline's."""
+    import warnings
+
+    from stepvault.catalog.events import read_events
+
+    state = {"model": torch.nn.Linear(4, 4)}
+    with CheckpointManager(tmp_path, "r", async_save=False) as mgr:
+        for step in (2, 4, 6):
+            mgr.save(step, state)
+    with CheckpointManager(tmp_path, "r", async_save=False) as mgr:
+        with pytest.warns(RuntimeWarning, match=r"restored step 2, but the run has newer.*4, 6"):
+            mgr.restore(state, step=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the newest: nothing to say
+            mgr.restore(state, step=6)
+            mgr.restore(state)
+    rewinds = [e for e in read_events(mgr.store, "r") if e["event"] == "rewind"]
+    assert [(e["step"], e["newer"]) for e in rewinds] == [(2, [4, 6])]

@@ -132,7 +132,31 @@ class ManagerRestorer:
             tier_bytes=info.tier_bytes,
             **({"lossy": True, "base_step": info.base_step} if info.lossy else {}),
         )
+        if isinstance(step, int):  # an explicit older step: training goes on from there
+            self._warn_rewind(info.step)
         return info
+
+    def _warn_rewind(self, restored: int) -> None:
+        """A restore of an older step than the run's newest (``resume_from_checkpoint`` of
+        an earlier one): the saves from here replace the newer checkpoints
+        one by one, and until they do, "latest" is still the abandoned timeline's newest."""
+        newer = sorted(
+            st for st in set(self.session.view.list_steps(self.session.run)) if st > restored
+        )
+        if not newer:
+            return
+        import warnings
+
+        shown = ", ".join(map(str, newer[:8])) + (", ..." if len(newer) > 8 else "")
+        self.session.event("rewind", step=restored, newer=newer[:100])
+        warnings.warn(
+            f"run {self.session.run!r}: restored step {restored}, but the run has newer "
+            f"checkpoints ({shown}): each save from here replaces the one of its step, and "
+            f"until step {newer[-1]} is saved again, 'latest' (a restart after a crash) "
+            "is the older timeline's; to branch cleanly, train on under a new run name",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _restored_from_memory(self, info: RestoreInfo, t0: float, requested: str) -> RestoreInfo:
         s = self.session
