@@ -260,3 +260,32 @@ def test_standalone_pytorch_lightning_package(tmp_path):
     assert stepvault.open(tmp_path).steps("ptl") == [5, 10]
     ckpt, trainer = fit(resume=True)  # resumed at max_steps: nothing left to train
     assert ckpt.last_restore.step == 10 and trainer.global_step == 10
+
+
+def test_a_validation_at_a_saved_step_annotates_that_checkpoint(tmp_path):
+    """A save happens at the end of its step, before Lightning's validation at that step,
+    so the checkpoint recorded the previous validation's val_loss (other weights) and
+    KeepBest ranked by it. The validation right after the save now annotates it: the
+    metric a listing and KeepBest see is the one measured on that checkpoint's weights."""
+    pl.seed_everything(1, verbose=False)
+    ckpt = StepvaultCheckpoint(tmp_path, run="r", save=Every(steps=5), keep=KeepLast(10))
+    trainer = pl.Trainer(
+        max_steps=15,
+        val_check_interval=5,
+        callbacks=[ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    trainer.fit(Tiny(), _loader(), _loader())
+    listed = {c.step: c.metrics["val_loss"] for c in stepvault.open(tmp_path).checkpoints("r")}
+    assert sorted(listed) == [5, 10, 15]
+    for step, val_loss in listed.items():
+        check = StepvaultCheckpoint(tmp_path, run="r")
+        quiet = pl.Trainer(
+            callbacks=[check], logger=False, enable_progress_bar=False, enable_model_summary=False
+        )
+        measured = quiet.validate(Tiny(), _loader(), ckpt_path=f"stepvault:{step}", verbose=False)
+        assert measured[0]["val_loss"] == pytest.approx(val_loss, rel=1e-6), step

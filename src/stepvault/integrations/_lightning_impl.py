@@ -241,6 +241,9 @@ class CheckpointMixin:
         self._io: CheckpointIOMixin | None = None
         self._boundary: int | None = None
         self._due: tuple[int, int | None, dict[str, float]] | None = None
+        #: ``(step, metrics)`` of the last save: a validation run at that step (after it:
+        #: Lightning validates after the batch's hooks) annotates it (on_validation_end)
+        self._saved: tuple[int, dict[str, float]] | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._at_epoch_end = False
         self._deferred: BaseException | None = None
@@ -512,6 +515,7 @@ class CheckpointMixin:
         self._deferred = None
         try:
             trainer.save_checkpoint(f"{PREFIX}{step}", weights_only=False)
+            self._saved = (step, self._due[2])
         finally:
             self._due = None
         if trainer.world_size > 1 and not self._sharded:
@@ -524,6 +528,28 @@ class CheckpointMixin:
                     raise deferred
 
             on_rank0(outcome, f"the stepvault save of step {step}")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A validation right after a save, at its step, measured that checkpoint's weights:
+        its metrics are annotated onto it (KeepBest and ``restore("best")`` use them). The
+        save itself recorded the previous validation's values, of older weights."""
+        saved, self._saved = self._saved, None
+        if trainer.sanity_checking or saved is None or saved[0] != trainer.global_step:
+            return
+        now = finite_metrics(trainer.callback_metrics)
+        fresh = {k: v for k, v in now.items() if saved[1].get(k) != v}
+        if self.manager is None or not fresh:
+            return
+        self.manager.wait()  # every rank with a manager (a sharded job's are collective)
+        if not trainer.is_global_zero:
+            return  # one process annotates: rank 0, which holds (or leads) the manager
+        if saved[0] not in self.manager.store.list_steps(self.manager.run):
+            return  # the save was skipped or failed: nothing to annotate
+        from ..catalog.annotations import annotate
+
+        annotate(
+            self.manager.store, self.manager.run, saved[0], fresh, note="validation at this step"
+        )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.manager is not None:
