@@ -262,16 +262,18 @@ def test_standalone_pytorch_lightning_package(tmp_path):
     assert ckpt.last_restore.step == 10 and trainer.global_step == 10
 
 
-def test_a_validation_at_a_saved_step_annotates_that_checkpoint(tmp_path):
+@pytest.mark.parametrize("every", [5, 10])
+def test_a_validation_at_a_saved_step_annotates_that_checkpoint(tmp_path, every):
     """A save happens at the end of its step, before Lightning's validation at that step,
     so the checkpoint recorded the previous validation's val_loss (other weights) and
     KeepBest ranked by it. The validation right after the save now annotates it: the
-    metric a listing and KeepBest see is the one measured on that checkpoint's weights."""
+    metric a listing and KeepBest see is the one measured on that checkpoint's weights,
+    and a checkpoint no validation measured has none (it carried the last one's)."""
     pl.seed_everything(1, verbose=False)
     ckpt = StepvaultCheckpoint(tmp_path, run="r", save=Every(steps=5), keep=KeepLast(10))
     trainer = pl.Trainer(
         max_steps=15,
-        val_check_interval=5,
+        val_check_interval=every,
         callbacks=[ckpt],
         logger=False,
         enable_progress_bar=False,
@@ -280,9 +282,12 @@ def test_a_validation_at_a_saved_step_annotates_that_checkpoint(tmp_path):
         deterministic=True,
     )
     trainer.fit(Tiny(), _loader(), _loader())
-    listed = {c.step: c.metrics["val_loss"] for c in stepvault.open(tmp_path).checkpoints("r")}
+    listed = {c.step: c.metrics.get("val_loss") for c in stepvault.open(tmp_path).checkpoints("r")}
     assert sorted(listed) == [5, 10, 15]
-    for step, val_loss in listed.items():
+    measured_at = [5, 10, 15] if every == 5 else [10]
+    assert [s for s, v in listed.items() if v is not None] == measured_at, listed
+    for step in measured_at:
+        val_loss = listed[step]
         check = StepvaultCheckpoint(tmp_path, run="r")
         quiet = pl.Trainer(
             callbacks=[check], logger=False, enable_progress_bar=False, enable_model_summary=False

@@ -244,6 +244,9 @@ class CheckpointMixin:
         #: ``(step, metrics)`` of the last save: a validation run at that step (after it:
         #: Lightning validates after the batch's hooks) annotates it (on_validation_end)
         self._saved: tuple[int, dict[str, float]] | None = None
+        #: the values that annotation wrote: a later save does not record them again (they
+        #: were measured on the annotated checkpoint's weights, not on the later one's)
+        self._annotated: dict[str, float] = {}
         self._pending_rng: dict[str, Any] | None = None
         self._at_epoch_end = False
         self._deferred: BaseException | None = None
@@ -511,7 +514,9 @@ class CheckpointMixin:
             # A fresh Adam has its moments now (after its first step): prepare for them.
             self._prepare_staging(self.manager, _bulk(trainer, pl_module))
             return
-        self._due = (step, epoch, finite_metrics(trainer.callback_metrics))
+        metrics = finite_metrics(trainer.callback_metrics)
+        metrics = {k: v for k, v in metrics.items() if self._annotated.get(k) != v}
+        self._due = (step, epoch, metrics)
         self._deferred = None
         try:
             trainer.save_checkpoint(f"{PREFIX}{step}", weights_only=False)
@@ -541,6 +546,7 @@ class CheckpointMixin:
         if self.manager is None or not fresh:
             return
         self.manager.wait()  # every rank with a manager (a sharded job's are collective)
+        self._annotated = fresh
         if not trainer.is_global_zero:
             return  # one process annotates: rank 0, which holds (or leads) the manager
         if saved[0] not in self.manager.store.list_steps(self.manager.run):
