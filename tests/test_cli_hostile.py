@@ -194,6 +194,9 @@ def test_negative_and_zero_counts_for_every_command(store: Path, tmp_path: Path)
         (["unpin", f"{RUN}@2"], f"{RUN}@2 is not pinned"),
         (["export", f"{RUN}@x", "-o", "out"], "bad checkpoint reference"),
         (["show", f"{RUN}@77"], f"{RUN}@77"),
+        (["gc", RUN, "--thin-after", "0s", "--dry-run"], "--thin-after must be a positive age"),
+        (["export", f"{RUN}@1", "-o", "out", "--max-shard-size", "0"], "max_shard_size must be"),
+        (["lineage", "nomodel@stable"], "no model 'nomodel' in the registry"),
     ],
 )
 def test_wrong_values_are_one_line_errors(store: Path, args: list[str], needle: str) -> None:

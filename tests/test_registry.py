@@ -35,7 +35,7 @@ def test_promote_and_rollback_follow_the_alias_history(root):
     assert (back.version, back.previous) == (2, 3)
     assert reg.resolve("m@stable").ref == "r@2"
     assert reg.rollback("m", "stable").version == 1
-    with pytest.raises(RegistryError, match="only v1 has held it"):
+    with pytest.raises(RegistryError, match="it holds v1 and nothing held it before"):
         reg.rollback("m", "stable")
     assert reg.resolve("m@candidate").ref == "r@3"  # other aliases untouched
     assert reg.resolve("m@v2").ref == "r@2" and reg.resolve("m").version == 3

@@ -536,7 +536,14 @@ def gc_cmd(
         from ..policy import ThinAfter
 
         if thin_after is not None:
-            rules.append(ThinAfter(days=duration_option("--thin-after", thin_after) / 86400))
+            age = duration_option("--thin-after", thin_after)
+            if age <= 0:
+                return _fail(
+                    ValueError(
+                        f"--thin-after must be a positive age such as 7d, got {thin_after!r}"
+                    )
+                )
+            rules.append(ThinAfter(days=age / 86400))
         if thin_after_steps is not None:
             rules.append(ThinAfter(steps=thin_after_steps))
     keep: KeepPolicy | None = None

@@ -271,6 +271,10 @@ def _export(
     target = torch_dtype(dtype) if dtype else None
     pattern = re.compile(include) if include else None
     limit = parse_size("max_shard_size", max_shard_size)
+    if limit <= 0:  # 0 wrote one shard per tensor: never what a size limit means
+        raise ValueError(
+            f"max_shard_size must be a positive size such as '5GB', got {max_shard_size!r}"
+        )
     vault = Vault(store)
     report = ExportReport(cast=dtype)
     errors: dict[str, dict[str, float]] = {}

@@ -7,7 +7,7 @@ from typing import Any
 from ..catalog.annotations import manifest_id
 from ..catalog.lineage import read_lineage
 from ..catalog.refs import resolve_ref
-from ..errors import StepvaultError
+from ..errors import RegistryError, StepvaultError
 from ..format import parse_manifest
 from ..store import Store
 from ..tiers.view import read_view
@@ -59,6 +59,18 @@ def lineage_report(store: Store, spec: str) -> dict[str, Any]:
         ]
         run, step = version.run, version.step
     else:
+        suffix = spec.partition("@")[2]
+        if suffix and not (suffix == "latest" or suffix.isdigit()):
+            # an alias or vN: a model reference, and no model has that name
+            import difflib
+
+            models = registry.models()
+            near = difflib.get_close_matches(name, models, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise RegistryError(
+                f"no model {name!r} in the registry: {hint}models: {', '.join(models) or 'none'}"
+                " (a checkpoint is RUN@STEP)"
+            )
         run, step = resolve_ref(store, spec)
     root = node = _checkpoint(store, run, step)
     for _ in range(MAX_DEPTH):

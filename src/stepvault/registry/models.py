@@ -411,7 +411,12 @@ class Registry:
 
         def decide(stack: list[int]) -> int:
             if len(stack) < 2:
-                held = f"only v{stack[-1]} has held it" if stack else "it holds nothing"
+                held = (
+                    f"it holds v{stack[-1]} and nothing held it before (a rollback moves back "
+                    "past the versions it rolled back from)"
+                    if stack
+                    else "it holds nothing"
+                )
                 raise RegistryError(
                     f"cannot roll back {model}@{alias}: {held}; promote a version instead"
                 )
