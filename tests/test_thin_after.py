@@ -69,7 +69,7 @@ def test_thin_after_steps_plans_then_thins_and_restores_weights_bitwise(tmp_path
     keep = KeepLast(1) | KeepEvery(steps=200) | ThinAfter(steps=100)
     dry = apply_retention(store, "r", keep, checkpoint_records(store, "r"), dry_run=True)
     text = str(dry.plan)
-    assert "thin @200: drop optimizer, rng, step (" in text and " MB; ThinAfter(steps=100))" in text
+    assert "thin @200: drop optimizer, rng, step (" in text and "B; ThinAfter(steps=100))" in text
     assert "@300" not in text  # the newest: never thinned
     assert dry.plan.delete == [100] and kinds(store)[200] == "full"  # dry: nothing changed
 
@@ -215,7 +215,7 @@ def test_gc_cli_dry_run_shows_the_thinning(tmp_path):
     args = ["gc", "r", "--root", str(tmp_path), "--keep-last", "3", "--thin-after-steps", "1"]
     dry = CliRunner().invoke(app, [*args, "--dry-run"])
     assert dry.exit_code == 0, dry.output
-    assert "thin @1: drop optimizer, rng, step" in dry.output and "MB" in dry.output
+    assert "thin @1: drop optimizer, rng, step" in dry.output and "KiB" in dry.output
     assert kinds(Store.open(tmp_path))[1] == "full"
     as_json = CliRunner().invoke(app, [*args, "--json"])
     assert as_json.exit_code == 0, as_json.output

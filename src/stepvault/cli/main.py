@@ -572,11 +572,12 @@ def gc_cmd(
         console.print(str(result.plan), highlight=False)
     sw = result.sweep
     deleted = len(result.plan.delete) if result.plan else 0
+    what = f"{_count(deleted, 'checkpoint')} and {_count(len(sw.deleted), 'object')}"
     if dry_run:
-        head = f"dry run: would delete {deleted} checkpoints and {len(sw.deleted)} objects"
+        head = f"dry run: would delete {what}"
         head += f" (would free {human_bytes(sw.freed_bytes)})"
     else:
-        head = f"deleted {deleted} checkpoints and {len(sw.deleted)} objects"
+        head = f"deleted {what}"
         head += f" (freed {human_bytes(sw.freed_bytes)})"
     console.print(head, highlight=False)
     if sw.kept_in_grace:
@@ -593,6 +594,10 @@ def gc_cmd(
             "reference objects; fix or remove them first[/]"
         )
     return None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 @app.command("pin")

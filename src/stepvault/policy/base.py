@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+from .._units import human_bytes
 from ..format.record import CheckpointRecord
 
 P = TypeVar("P")
@@ -205,7 +206,7 @@ class ThinEntry:
             return f"keep whole @{self.step}: {self.reason}"
         return (
             f"thin @{self.step}: drop {', '.join(self.dropped)} "
-            f"({self.dropped_bytes / 1e6:.3g} MB; {self.reason})"
+            f"({human_bytes(self.dropped_bytes)}; {self.reason})"
         )
 
 
