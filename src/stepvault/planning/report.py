@@ -311,13 +311,16 @@ def plan(
         inp.assume(f"no step time: a 'step' here is {st:.3g} s (give --step-time)")
     else:
         raise PlanError(
-            "give --step-time SECONDS (or a RUN with two saves in one process to measure it)"
+            "give --step-time SECONDS (step_time= in Python), or a RUN with two saves in one "
+            "process to measure it; the interval alone needs only the save cost and the MTBF "
+            "(stepvault plan --save-cost S --mtbf M, or planning.interval.daly_interval)"
         )
     if total_steps is None:
         if duration is None:
             raise PlanError(
                 "give the planned length of the run: --total-steps N or --duration "
-                "30d (compute time, without saves and failures)"
+                "30d (total_steps= or duration= in Python; compute time, without saves and "
+                "failures)"
             )
         total_steps = max(1, round(parse_duration("--duration", duration) / st))
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
