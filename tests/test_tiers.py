@@ -528,6 +528,30 @@ def test_cli_tier_to_hot_brings_an_archived_checkpoint_back(tmp_path):
     assert res.exit_code == 2 and "in hot already" in res.output
 
 
+def test_usage_by_tier_shows_the_tiers_that_answer_and_names_the_one_that_does_not(tmp_path):
+    """One unreachable tier made ``tiers du`` / ``du --by-tier`` fail outright, with a
+    message that named no tier."""
+    hot, cold = tmp_path / "hot", tmp_path / "c"
+    stepvault.save(hot, {"model": model(1)}, run="r", step=1)
+    runner = CliRunner()
+    assert (
+        runner.invoke(app, ["--root", str(hot), "tiers", "add", "archive", str(cold)]).exit_code
+        == 0
+    )
+    assert runner.invoke(app, ["--root", str(hot), "tier", "r@1", "--to", "archive"]).exit_code == 0
+    import shutil
+
+    shutil.rmtree(cold)
+    cold.write_text("not a store any more")
+    for args in (["tiers", "du"], ["du", "--by-tier"]):
+        res = runner.invoke(app, ["--root", str(hot), *args])
+        assert res.exit_code == 1, res.output
+        assert "hot" in res.output and "tier archive unreachable" in res.output
+    res = runner.invoke(app, ["--root", str(hot), "tiers", "du", "--json"])
+    doc = json.loads(res.output)
+    assert doc["hot"]["checkpoints"] == 1 and "unreachable" in doc["archive"]
+
+
 # ------------------------------------------------------------------------ S3 cold tier
 @pytest.mark.slow  # ~10 s of botocore backoff; the fast suite covers faults in test_s3_backend
 def test_s3_archive_behind_a_faulty_network(tmp_path, s3):

@@ -318,17 +318,19 @@ def tiers_remove(
 
 def print_usage_by_tier(root: str, as_json: bool) -> None:
     """Body of ``stepvault tiers du`` (and ``stepvault du --by-tier``)."""
-    from ..ops.usage import usage_by_tier
+    from ..ops.usage import usage_of_reachable_tiers
     from ..store import Store
 
     try:
-        by_tier = usage_by_tier(Store.open(root))
+        by_tier, failed = usage_of_reachable_tiers(Store.open(root))
     except StepvaultError as exc:
         return _fail(exc)
-    except OSError as exc:
-        return _fail(StepvaultError(f"a tier is unreachable: {exc}"))
     if as_json:
-        return _emit_json({name: u.to_json() for name, u in by_tier.items()})
+        doc = {name: u.to_json() for name, u in by_tier.items()}
+        _emit_json({**doc, **{name: {"unreachable": why} for name, why in failed.items()}})
+        if failed:
+            raise typer.Exit(1)
+        return None
     table = Table(
         "tier",
         "checkpoints",
@@ -348,6 +350,10 @@ def print_usage_by_tier(root: str, as_json: bool) -> None:
             human_bytes(u.unreferenced_bytes),
         )
     print_table(table)
+    for name, why in failed.items():
+        console.print(f"[red]tier {name} unreachable:[/] {why}", highlight=False)
+    if failed:
+        raise typer.Exit(1)  # the table is not the whole store
     return None
 
 

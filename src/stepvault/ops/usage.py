@@ -106,3 +106,22 @@ def usage_by_tier(store: Store) -> dict[str, StoreUsage]:
 
     tiers = Tiers.of(store)
     return {name: store_usage(tiers[name]) for name in tiers.names}
+
+
+def usage_of_reachable_tiers(
+    store: Store,
+) -> tuple[dict[str, StoreUsage], dict[str, str]]:
+    """:func:`usage_by_tier` of the tiers that answer, and why each other one did not: one
+    unreachable archive does not hide the usage of the rest."""
+    from ..errors import StepvaultError
+    from ..tiers.config import Tiers
+
+    tiers = Tiers.of(store)
+    usage: dict[str, StoreUsage] = {}
+    failed: dict[str, str] = {}
+    for name in tiers.names:
+        try:
+            usage[name] = store_usage(tiers[name])
+        except (StepvaultError, OSError) as exc:
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    return usage, failed
