@@ -20,9 +20,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from typing import Any
 
-_open: dict[int, Any] = {}
+#: weakly: a manager nobody refers to any more is freed with its staging memory as before
+#: (a script's ``mgr``, or one in the frames of the exception that ends it, is still here)
+_open: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 _registered = False
 #: the process whose managers these are: a forked child (a DataLoader worker) runs the
