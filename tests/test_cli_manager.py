@@ -138,3 +138,23 @@ def test_damaged_data_exits_1_with_the_way_out_a_typo_exits_2(tmp_path):
         assert "does not match its hash" in res.output and "stepvault repair" in res.output
     res = runner.invoke(app, [*base, "export", "r@7", "-o", str(out_dir)])
     assert res.exit_code == 2 and "no committed checkpoint" in res.output
+
+
+def test_show_says_what_protects_a_checkpoint_and_its_annotated_metrics(tmp_path):
+    """``show`` printed the metrics saved with the manifest only and nothing of pins or
+    holds, while ``ls`` and KeepBest used the annotated values."""
+    _fill(tmp_path, steps=(1, 2))
+    runner = CliRunner()
+    base = ["--root", str(tmp_path)]
+    assert runner.invoke(app, [*base, "pin", "r@1"]).exit_code == 0
+    assert runner.invoke(app, [*base, "hold", "r@1", "--owner", "evaljob"]).exit_code == 0
+    assert runner.invoke(app, [*base, "annotate", "r@1", "val_loss=0.125"]).exit_code == 0
+    res = runner.invoke(app, [*base, "show", "r@1"])
+    assert res.exit_code == 0, res.output
+    assert "val_loss=0.125 (annotated later: val_loss)" in res.output
+    assert "protected: pinned; reader hold of evaljob" in res.output
+    doc = json.loads(runner.invoke(app, [*base, "show", "r@1", "--json"]).output)
+    assert doc["metrics"]["val_loss"] == 0.125 and doc["saved_metrics"]["val_loss"] == 2.5
+    assert doc["protected"][0] == "pinned"
+    res = runner.invoke(app, [*base, "show", "r@2"])
+    assert "protected:" not in res.output and "annotated later" not in res.output

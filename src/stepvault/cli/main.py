@@ -92,9 +92,11 @@ def show_cmd(
     except StepvaultError as exc:
         return _fail(exc)
     m = ckpt.manifest
+    metrics, protected = _show_extras(ckpt.store, m.run, m.step, dict(m.metrics))
     if as_json:
         doc = m.to_json()
         doc.pop("state", None)
+        doc["metrics"], doc["saved_metrics"], doc["protected"] = metrics, dict(m.metrics), protected
         from .attachments import attachments_json  # issue 19: with later attached files
 
         doc["attachments"] = attachments_json(ckpt.store, m.run, m.step)
@@ -124,8 +126,12 @@ def show_cmd(
         "already in the store)",
         highlight=False,
     )
-    if m.metrics:
-        console.print("metrics: " + ", ".join(f"{k}={v:.6g}" for k, v in m.metrics.items()))
+    if metrics:
+        annotated = sorted(k for k, v in metrics.items() if m.metrics.get(k) != v)
+        later = f" (annotated later: {', '.join(annotated)})" if annotated else ""
+        console.print("metrics: " + ", ".join(f"{k}={v:.6g}" for k, v in metrics.items()) + later)
+    if protected:
+        console.print(f"protected: {'; '.join(protected)}", highlight=False)
     console.print("state: " + ", ".join(f"{k} ({v})" for k, v in m.state_kinds.items()))
     console.print(f"environment: {m.environment}", highlight=False)
     from .attachments import print_attachments  # issue 19
@@ -594,6 +600,26 @@ def gc_cmd(
             "reference objects; fix or remove them first[/]"
         )
     return None
+
+
+def _show_extras(
+    store: Store, run: str, step: int, saved: dict[str, float]
+) -> tuple[dict[str, float], list[str]]:
+    """What ``show`` adds to the manifest: the metrics with later annotations (what ``ls``
+    and KeepBest see), and what protects the checkpoint (pins, registry and reader holds)."""
+    from ..catalog.annotations import manifest_id, merged_metrics, read_annotations
+    from ..store.reader_holds import live_holds
+
+    metrics = merged_metrics(
+        saved,
+        read_annotations(store, run).get(step, []),
+        manifest_id(store.read_manifest(run, step)),
+    )
+    protected = ["pinned"] if step in store.pinned_steps(run) else []
+    protected += [f"held by {h}" for h in store.held_steps(run).get(step, [])]
+    holds = live_holds(store, run, clean=False).get(step, [])
+    protected += [f"reader hold of {h.owner} until {_time(h.expires)}" for h in holds]
+    return metrics, protected
 
 
 def _count(n: int, noun: str) -> str:
