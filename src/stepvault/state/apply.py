@@ -126,15 +126,18 @@ def _other_optimizer(key: str, opt: torch.optim.Optimizer, saved: dict[str, Any]
     saved_keys = {k for g in saved["param_groups"] if isinstance(g, dict) for k in g}
     live_keys = {k for g in opt.param_groups for k in g}
     extra, missing = sorted(saved_keys - live_keys), sorted(live_keys - saved_keys)
-    live_state = opt.state_dict()["state"]
+    # The live entries by state-dict index (params numbered across groups, as torch does);
+    # read from ``opt.state``: a view of a sharded optimizer has param groups only.
+    held = getattr(opt, "state", None) or {}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    live_state = {i: set(held[p]) for i, p in enumerate(params) if held.get(p)}
     clash = [
         i
         for i, pstate in saved["state"].items()
         if isinstance(pstate, dict)
-        and i in live_state
-        and live_state[i]
         and pstate
-        and not set(pstate) & set(live_state[i])
+        and i in live_state
+        and not set(pstate) & live_state[i]
     ]
     if not (extra and missing) and not clash:
         return []
