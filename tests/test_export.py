@@ -71,6 +71,15 @@ def test_export_errors(store, tmp_path):
         app, ["--root", str(root), "export", "r@1", "-o", str(tmp_path / "x"), "--include", "^zzz"]
     )
     assert res.exit_code == 2 and "nothing to export" in res.output
+    # A cast to an integer or bool type truncated every weight (int8: all zeros), exit 0.
+    for dtype in ("int8", "bool"):
+        for fmt in (
+            ["-o", str(tmp_path / "c.safetensors")],
+            ["-o", str(tmp_path / "hf"), "--format", "folder"],
+        ):
+            res = runner.invoke(app, ["--root", str(root), "export", "r@1", *fmt, "--dtype", dtype])
+            assert res.exit_code == 2 and "--quantize int8" in res.output, res.output
+    assert not (tmp_path / "c.safetensors").exists() and not (tmp_path / "hf").exists()
 
 
 def test_int8_export_is_marked_lossy_and_within_its_error_bound(tmp_path):

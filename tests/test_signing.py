@@ -186,3 +186,26 @@ def test_plain_verify_of_a_store_checks_the_registry_history(tmp_path):
     assert res.exit_code == 1
     assert [e["status"] for e in json.loads(res.output)["registry"]] == ["truncated"]
     assert cli(root, "verify", "r").exit_code == 0  # one run: its checkpoints only
+
+
+def test_the_dashboard_shows_a_tampered_signed_checkpoint_as_altered(tmp_path):
+    """The checkpoint page showed "ed25519, key …" for a manifest edited (checksum
+    recomputed) after it was signed: the signature record names the signed bytes'
+    BLAKE3, so the page can say the manifest is not what was signed, without the key."""
+    from starlette.testclient import TestClient
+
+    from stepvault.ui.app import create_app
+
+    root = _signed_store(tmp_path, Signer.generate())
+    client = TestClient(create_app(str(root)), base_url="http://127.0.0.1:8765")
+    honest = client.get("/api/runs/r/checkpoints/2").json()["signature"]
+    assert honest["alg"] == "ed25519" and "altered" not in honest
+    path = root / "runs/r/checkpoints/2.json"
+    _, body = path.read_bytes().split(b"\n", 1)
+    doc = json.loads(body)
+    doc["metrics"] = {"val_loss": 0.01}
+    path.write_bytes(_recompute_envelope(json.dumps(doc, separators=(",", ":")).encode()))
+    client = TestClient(create_app(str(root)), base_url="http://127.0.0.1:8765")
+    assert client.get("/api/runs/r/checkpoints/2").json()["signature"]["altered"] is True
+    page = client.get("/runs/r/checkpoints/2").text
+    assert "ALTERED: the manifest is not what key" in page

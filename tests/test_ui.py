@@ -334,6 +334,22 @@ def test_actions_need_allow_actions_and_the_header_and_are_logged(trained, tmp_p
     assert bad.status_code == 400
     logged = [(e["event"], e.get("by")) for e in read_events(store, RUN)]
     assert ("pin", "ui") in logged and ("unpin", "ui") in logged and ("annotate", "ui") in logged
+    # As the CLI: nothing to unpin, or no such run, is an error and logs nothing (it
+    # answered ok and wrote an unpin event, for a run that does not exist too).
+    again = client.post("/api/actions/unpin", json={"run": RUN, "step": target}, headers=hdr)
+    assert again.status_code == 400 and "is not pinned" in again.json()["error"]
+    ghost = client.post("/api/actions/unpin", json={"run": "ghost", "step": 5}, headers=hdr)
+    assert ghost.status_code == 404 and "ghost" not in store.list_runs()
+    assert not (root / "events" / "ghost.jsonl").exists()
+    assert [e["event"] for e in read_events(store, RUN)].count("unpin") == 1
+    # A metric that is not a finite number is a 400 (a huge integer was a 500), a bool too.
+    for metrics in ({"v": 10**400}, {"acc": True}):
+        r = client.post(
+            "/api/actions/annotate",
+            json={"run": RUN, "step": target, "metrics": metrics},
+            headers=hdr,
+        )
+        assert r.status_code == 400 and "must be a" in r.json()["error"], r.text
 
 
 WRITER = """

@@ -54,10 +54,13 @@ def check_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     for name, value in metrics.items():
         if not isinstance(name, str) or not name:
             raise StepvaultError(f"metric names must be non-empty strings, got {name!r}")
+        if isinstance(value, bool):  # JSON true/false: not a measurement
+            raise StepvaultError(f"metric {name!r} must be a number, got {value!r}")
         try:
             number = float(value)
-        except (TypeError, ValueError):
-            raise StepvaultError(f"metric {name!r} must be a number, got {value!r}") from None
+        except (TypeError, ValueError, OverflowError):
+            shown = repr(value) if len(repr(value)) < 40 else repr(value)[:37] + "..."
+            raise StepvaultError(f"metric {name!r} must be a finite number, got {shown}") from None
         if not math.isfinite(number):
             raise StepvaultError(f"metric {name!r} must be finite, got {value!r}")
         out[name] = number

@@ -127,3 +127,17 @@ def name_registry_holds(store: Store, run: str, plan: RetentionPlan) -> None:
             entry.reasons[entry.reasons.index(PINNED_REASON)] = reason
         elif reason not in entry.reasons:
             entry.reasons.append(reason)
+
+
+def not_pinned_reason(store: Store, run: str, step: int) -> str:
+    """Why ``unpin RUN@STEP`` has nothing to remove: no such checkpoint, held by the
+    registry (which no unpin releases), or simply not pinned."""
+    store.read_manifest(run, step)  # no such checkpoint: CheckpointNotFoundError says so
+    holders = store.held_steps(run).get(step)
+    if holders:
+        return (
+            f"{run}@{step} is not pinned: it is {registry_hold_reason(holders)}, which "
+            "keeps every registered version; there is nothing to unpin"
+        )
+    pinned = ", ".join(f"@{s}" for s in store.pinned_steps(run)) or "none"
+    return f"{run}@{step} is not pinned (pinned in {run}: {pinned})"

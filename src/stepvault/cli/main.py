@@ -658,6 +658,8 @@ def unpin_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Remove a pin; the checkpoint is subject to keep policies again."""
+    from ..catalog.retention import not_pinned_reason
+
     try:
         run, step = parse_ref(ref)
         if not isinstance(step, int):
@@ -665,7 +667,7 @@ def unpin_cmd(
         store = Store.open(_root(root))
         home, tier = checkpoint_home(store, run, step)
         if step not in home.pinned_steps(run):
-            raise ValueError(_not_pinned(home, run, step))
+            raise ValueError(not_pinned_reason(home, run, step))
         home.unpin(run, step)
         log_event(store, run, "unpin", step=step, **({"tier": tier} if tier else {}))
     except (StepvaultError, ValueError) as exc:
@@ -674,22 +676,6 @@ def unpin_cmd(
         return _emit_json({"run": run, "step": step, "pinned": False})
     console.print(f"unpinned {run}@{step}", highlight=False)
     return None
-
-
-def _not_pinned(store: Store, run: str, step: int) -> str:
-    """Why ``unpin RUN@STEP`` has nothing to remove: no such checkpoint, held by the
-    registry (which no unpin releases), or simply not pinned."""
-    from ..catalog.retention import registry_hold_reason
-
-    store.read_manifest(run, step)  # no such checkpoint: CheckpointNotFoundError says so
-    holders = store.held_steps(run).get(step)
-    if holders:
-        return (
-            f"{run}@{step} is not pinned: it is {registry_hold_reason(holders)}, which "
-            "keeps every registered version; there is nothing to unpin"
-        )
-    pinned = ", ".join(f"@{s}" for s in store.pinned_steps(run)) or "none"
-    return f"{run}@{step} is not pinned (pinned in {run}: {pinned})"
 
 
 @app.command("events")

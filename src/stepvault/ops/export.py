@@ -269,6 +269,12 @@ def _export(
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     target = torch_dtype(dtype) if dtype else None
+    if target is not None and not target.is_floating_point:
+        # A cast of float weights to an integer or bool type truncates them (int8: all 0).
+        raise ValueError(
+            f"dtype={dtype!r}: a cast is to another float type (bfloat16, float16, float32); "
+            "for int8 weights use quantize='int8' (--quantize int8: per-channel scales)"
+        )
     pattern = re.compile(include) if include else None
     limit = parse_size("max_shard_size", max_shard_size)
     if limit <= 0:  # 0 wrote one shard per tensor: never what a size limit means

@@ -47,6 +47,10 @@ def pin(store: Store, body: dict[str, Any]) -> dict[str, Any]:
 
 def unpin(store: Store, body: dict[str, Any]) -> dict[str, Any]:
     run, step = _ref(body)
+    if step not in store.pinned_steps(run):  # as the CLI: nothing to unpin is an error
+        from ..catalog.retention import not_pinned_reason
+
+        raise InvalidNameError(not_pinned_reason(store, run, step))
     store.unpin(run, step)
     log_event(store, run, "unpin", step=step, by="ui")
     return {"unpinned": f"{run}@{step}"}

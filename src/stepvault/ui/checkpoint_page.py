@@ -100,7 +100,7 @@ def checkpoint_detail(reader: StoreReader, run: str, step: int) -> dict[str, Any
             "pinned": step in set(view.pinned_steps(run)),
             "registered": registered_steps(view, run).get(step, []),
             "tiers": tiers_of(view, run, [step])[step],
-            "signature": _signature_summary(signature),
+            "signature": _signature_summary(signature, data),
             "verify": {
                 "ok": verify.ok,
                 "mode": "quick",
@@ -156,10 +156,17 @@ def _tracker_refs(events: list[dict[str, Any]], step: int) -> list[dict[str, Any
     return sorted(out.values(), key=lambda r: -(r["time"] or 0))
 
 
-def _signature_summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
+def _signature_summary(record: dict[str, Any] | None, data: bytes) -> dict[str, Any] | None:
+    """Algorithm and key of the signature, and whether the manifest still is what was
+    signed: the record names the signed bytes' BLAKE3, so an altered manifest shows without
+    the key (``verify --signatures --key`` checks the signature itself)."""
     if record is None:
         return None
-    return {k: record.get(k) for k in ("alg", "key_id", "damaged") if record.get(k) is not None}
+    out = {k: record.get(k) for k in ("alg", "key_id", "damaged") if record.get(k) is not None}
+    signed = record.get("signed_blake3")
+    if signed is not None and signed != blake3(data).hexdigest():
+        out["altered"] = True  # the manifest is not the one that was signed
+    return out
 
 
 def _commands(url: str, run: str, step: int) -> dict[str, str]:
