@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -405,3 +406,35 @@ def test_a_checkpoint_thinned_while_the_page_is_open_is_shown_thinned(tmp_path):
     # within the same server (its records cached): the rewritten manifests are read again
     kinds = {c["step"]: c["kind"] for c in client.get("/api/runs/th").json()["checkpoints"]}
     assert kinds[1] == "weights" and kinds[3] == "full", kinds
+
+
+def test_a_port_in_use_is_an_error_and_port_0_announces_the_port_it_got(trained):
+    """The banner came before the bind: a port in use announced a URL another dashboard
+    answered (then uvicorn's error, exit 3); ``--port 0`` announced ``:0``."""
+    cmd = [sys.executable, "-m", "stepvault.cli.main", "ui", "--root", str(trained)]
+    first = subprocess.Popen(
+        [*cmd, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert first.stdout is not None
+        banner = first.stdout.readline()
+        port = int(banner.split("http://127.0.0.1:")[1].split("/")[0])
+        assert port > 0, banner
+        deadline = time.monotonic() + 60
+        while True:  # bound at the banner; answering once uvicorn has started
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=60) as r:
+                    assert r.status == 200
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, "the dashboard never answered"
+                time.sleep(0.1)
+        second = subprocess.run(
+            [*cmd, "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 2, second.stdout + second.stderr
+        out = second.stdout + second.stderr
+        assert f"cannot serve on 127.0.0.1:{port}" in out and "stepvault ui (" not in out
+    finally:
+        first.terminate()
+        first.wait(30)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
+from ..errors import StepvaultError
 from .app import DEFAULT_REFRESH, create_app
 from .security import check_bind, is_loopback
 
@@ -33,8 +35,23 @@ def serve(
         allow_actions=allow_actions,
         refresh_seconds=refresh_seconds,
     )
+    # Bound before the banner: a port in use is an error naming it, never a banner for a
+    # URL another server answers; --port 0 announces the port the system chose.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StepvaultError(
+            f"cannot serve on {host}:{port}: {exc.strerror} (another dashboard? pick another "
+            "--port, or --port 0 for a free one)"
+        ) from None
+    port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
     mode = "actions allowed" if allow_actions else "read-only"
     announce(f"stepvault ui ({mode}) on {url}  (Ctrl-C to stop)")
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
