@@ -188,3 +188,18 @@ def test_a_damaged_attachment_record_is_an_error_not_a_fallback(tmp_path):
     res = cli(root, "export", "r@1", "-o", str(tmp_path / "out"), "--format", "folder")
     assert res.exit_code == 2 and "does not match its hash" in said(res)
     assert "does not match its hash" in said(cli(root, "show", "r@1"))
+
+
+def test_listing_and_show_agree_on_the_stored_size_of_a_checkpoint_with_attachments(tmp_path):
+    """The listing cached at commit left the attachments' objects out of the stored size
+    (the manifest being written keeps them apart); ``show`` and the dashboard's checkpoint
+    page counted them: two sizes for one checkpoint."""
+    stepvault.save(
+        tmp_path, {"model": _model()}, run="r", step=1, attachments={"config.json": CONFIG}
+    )
+    listed = stepvault.open(tmp_path).checkpoints("r")[0].stored_bytes
+    shown = stepvault.open(tmp_path).manifest("r", 1).stored_bytes
+    assert listed == shown
+    for cache in (tmp_path / "runs" / "r").glob("summaries*"):
+        cache.unlink()  # rebuilt from the manifests
+    assert stepvault.open(tmp_path).checkpoints("r")[0].stored_bytes == shown
