@@ -33,10 +33,15 @@ class StoreUsage:
     unreferenced_objects: int = 0
     unreferenced_bytes: int = 0
     unreadable_manifests: int = 0
+    #: whether the objects were scanned for unreferenced ones (False: the dashboard's quick
+    #: summary; its JSON then says null, not a measured 0)
+    unreferenced_scanned: bool = True
 
     @property
     def dedup_savings(self) -> int:
-        return self.logical_bytes - self.raw_bytes
+        # Never negative: the deduplicated bytes include non-tensor state (optimizer
+        # settings, RNG, values) that the logical (tensor) bytes do not count.
+        return max(0, self.logical_bytes - self.raw_bytes)
 
     @property
     def compression_savings(self) -> int:
@@ -51,8 +56,10 @@ class StoreUsage:
             "dedup_savings_bytes": self.dedup_savings,
             "compression_savings_bytes": self.compression_savings,
             "objects": self.objects,
-            "unreferenced_objects": self.unreferenced_objects,
-            "unreferenced_bytes": self.unreferenced_bytes,
+            "unreferenced_objects": self.unreferenced_objects
+            if self.unreferenced_scanned
+            else None,
+            "unreferenced_bytes": self.unreferenced_bytes if self.unreferenced_scanned else None,
             "unreadable_manifests": self.unreadable_manifests,
             "runs": [r.__dict__ for r in self.runs],
         }
@@ -83,6 +90,7 @@ def store_usage(store: Store, *, scan_unreferenced: bool = True) -> StoreUsage:
     usage.objects = len(seen)
     usage.raw_bytes = sum(r for r, _ in seen.values())
     usage.stored_bytes = sum(s for _, s in seen.values())
+    usage.unreferenced_scanned = scan_unreferenced
     if scan_unreferenced:
         for digest in store.iter_objects():
             if digest not in seen:
