@@ -510,3 +510,33 @@ def task_manager_step0_save(rank, world, root, out):
         assert mgr.restore({"model": fresh, "optimizer": fresh_opt}).step == 1
     assert torch.equal(fresh.module.weight, twin.weight)
     assert all(int(s["step"]) == 1 for s in fresh_opt.state.values())
+
+
+def task_per_rank_loaders(rank, world, root, out):
+    """Each rank's own data loader (its own shuffle generator) and a value that differs
+    per rank, saved collectively mid-epoch: after a restore each rank continues its own
+    batches, and the value is rank 0's (the documented rule; it was rank 1's)."""
+    import json
+
+    from torch.utils.data import DataLoader
+
+    import stepvault
+    from stepvault import ResumableLoader
+
+    def loader():
+        g = torch.Generator().manual_seed(50 + rank)
+        return ResumableLoader(DataLoader(list(range(16)), batch_size=2, shuffle=True, generator=g))
+
+    model = torch.nn.Linear(2, 2)
+    it_loader = loader()
+    batches = iter(it_loader)
+    seen = [next(batches).tolist() for _ in range(3)]
+    state = {"model": model, "loader": it_loader, "who": rank}
+    stepvault.save(root, state, run="r", step=3)
+    expected = [b.tolist() for b in batches][:2]  # this rank's next batches
+
+    fresh = {"model": torch.nn.Linear(2, 2), "loader": loader(), "who": -1}
+    assert stepvault.restore(root, fresh, run="r").step == 3
+    got = [b.tolist() for _, b in zip(range(2), iter(fresh["loader"]))]
+    with open(os.path.join(out, f"loader{rank}.json"), "w") as f:
+        json.dump({"seen": seen, "expected": expected, "got": got, "who": fresh["who"]}, f)

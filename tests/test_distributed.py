@@ -373,3 +373,36 @@ def test_async_saver_survives_a_torch_that_closes_its_stager(tmp_path, monkeypat
         fresh = torch.nn.Linear(4, 4)
         stepvault.restore(tmp_path, {"model": fresh}, run="r", step=step)
         assert torch.equal(fresh.weight, weight)
+
+
+def test_each_rank_resumes_its_own_data_loader_and_values_are_rank_0s(tmp_path):
+    """A collective save kept one copy of everything every rank holds, from the rank with
+    the least planned bytes (rank 1 in practice): each rank's ResumableLoader (its own
+    shuffle generator) resumed rank 1's position, silently, and a value that differs per
+    rank came back as rank 1's, where the rule is rank 0's. A rank's loader is now kept per
+    rank, like its RNGs."""
+    root, out = tmp_path / "s", tmp_path / "out"
+    _spawn(2, "per_rank_loaders", root, out)
+    for rank in (0, 1):
+        doc = json.loads((out / f"loader{rank}.json").read_text())
+        assert doc["got"] == doc["expected"], (rank, doc)
+        assert doc["who"] == 0
+    one = json.loads((out / "loader0.json").read_text())["seen"]
+    two = json.loads((out / "loader1.json").read_text())["seen"]
+    assert one != two  # the ranks did read different batches
+    entries = stepvault.open(root).manifest("r", 3).sharded["entries"]
+    assert any(k.startswith("loader.rank1.") for k in entries), sorted(entries)
+    # One process (no group) takes rank 0's position, as a smaller job's rank 0 would.
+    from torch.utils.data import DataLoader
+
+    g = torch.Generator().manual_seed(50)
+    fresh = {
+        "model": torch.nn.Linear(2, 2),
+        "loader": stepvault.ResumableLoader(
+            DataLoader(list(range(16)), batch_size=2, shuffle=True, generator=g)
+        ),
+        "who": -1,
+    }
+    assert stepvault.restore(root, fresh, run="r").step == 3
+    got = [b.tolist() for _, b in zip(range(2), iter(fresh["loader"]))]
+    assert got == json.loads((out / "loader0.json").read_text())["expected"]

@@ -222,7 +222,8 @@ def _sharded_problems(manifest: Manifest, targets: Mapping[str, Any]) -> list[st
 
 
 class _Targets(dict):
-    """The DCP target dict; drops RNG entries of ranks the checkpoint does not have."""
+    """The DCP target dict; drops RNG entries of ranks the checkpoint does not have (a
+    per-rank data loader state then reads rank 0's)."""
 
     def __init__(self, store, run, dcp_state, kinds, rank_key):
         super().__init__(dcp_state)
@@ -233,5 +234,12 @@ class _Targets(dict):
     def prune_for(self, manifest) -> None:
         names = set((manifest.sharded or {}).get("entries", {}))
         for key, kind in self._kinds.items():
-            if kind == "rng" and not any(n.startswith(f"{key}.{self._rank_key}.") for n in names):
+            if kind not in ("rng", "per_rank") or any(
+                n.startswith(f"{key}.{self._rank_key}.") for n in names
+            ):
+                continue
+            if kind == "per_rank" and any(n.startswith(f"{key}.rank0.") for n in names):
+                # another world size: this rank takes rank 0's position (apply_dcp warns)
+                self[key] = {"rank0": self._source[key][self._rank_key]}
+            else:
                 self.pop(key, None)

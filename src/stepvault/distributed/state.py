@@ -94,6 +94,14 @@ def to_dcp(
             opt.state.clear()
 
 
+def per_rank(obj: Any) -> bool:
+    """Whether ``obj``'s state is its rank's own, like an RNG's: a data loader (each rank
+    reads its own part of the data, with its own generator; ``ResumableLoader``,
+    torchdata's ``StatefulDataLoader``: a stateful object you iterate). Stored once per
+    rank; replicated state is stored once (rank 0's copy)."""
+    return callable(getattr(obj, "__iter__", None)) and not isinstance(obj, torch.nn.Module)
+
+
 def _to_dcp(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     pairs = _pairs(state)
     by_module: dict[str, list[str]] = {}
@@ -119,6 +127,9 @@ def _to_dcp(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         elif isinstance(obj, RNGState):
             out[key] = {f"rank{current_rank()}": obj.state_dict()}
             kinds[key] = "rng"
+        elif is_stateful(obj) and per_rank(obj):
+            out[key] = {f"rank{current_rank()}": obj.state_dict()}
+            kinds[key] = "per_rank"
         elif is_stateful(obj):
             out[key] = obj.state_dict()
             kinds[key] = "stateful"
@@ -163,6 +174,19 @@ def apply_dcp(state: MutableMapping[str, Any], loaded: dict[str, Any], kinds: di
                     stacklevel=3,
                 )
             else:
+                obj.load_state_dict(mine)
+        elif kind == "per_rank":
+            held = loaded.get(key, {})
+            mine = held.get(f"rank{current_rank()}")
+            if mine is None and "rank0" in held:
+                warnings.warn(
+                    f"state[{key!r}]: no state of rank {current_rank()} in the checkpoint "
+                    "(saved with another world size); it takes rank 0's position",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                mine = held["rank0"]
+            if mine is not None:
                 obj.load_state_dict(mine)
         elif kind == "stateful":
             obj.load_state_dict(loaded[key])
