@@ -41,3 +41,18 @@ def test_damage_on_another_rank_is_damage_and_no_mismatch():
     assert _is_damage(received)
     assert _mismatch(received) is None
     assert not _is_damage(_across_ranks(OSError("connection reset")))
+
+
+def test_a_rank_that_exited_during_a_save_is_not_called_an_upload_failure():
+    """A rank whose training loop raised right after handing a save over ends the process:
+    its write then fails with "cannot schedule new futures after interpreter shutdown",
+    which every rank reported as "the upload to <store> failed" (the storage was fine)."""
+    from stepvault.errors import SaveFailedError
+    from stepvault.manager.collective_saving import save_failed_in
+
+    exiting = RuntimeError("cannot schedule new futures after interpreter shutdown")
+    found = save_failed_in(_across_ranks(exiting), 10, "/ckpts")
+    assert isinstance(found, SaveFailedError) and found.ranks == (1,)
+    assert "exited during the save" in str(found) and "upload" not in str(found)
+    other = save_failed_in(_across_ranks(OSError("disk gone")), 10, "/ckpts")
+    assert "its part failed" in str(other) or "upload" in str(other)

@@ -218,7 +218,14 @@ def save_failed_in(exc: BaseException, step: int, where: str) -> BaseException:
         phase = _phase(frames)
         if phase == "commit":  # the manifest may have been written: not "nothing committed"
             return exc
-        what = f"the upload to {where} failed" if phase == "upload" else "its part failed"
+        if "interpreter shutdown" in str(error):
+            # The process was ending (the training loop raised, or the script returned,
+            # without closing the manager) while this save was in flight: not the storage.
+            what = "its process exited during the save (close the manager before exiting)"
+        elif phase == "upload":
+            what = f"the upload to {where} failed"
+        else:
+            what = "its part failed"
         detail = f"{type(error).__name__}: {error}".rstrip(".")
         causes.append(f"rank {rank}: {what} ({_kind(error)}): {detail}")
     ranks = tuple(sorted(int(r) for r in failures))
