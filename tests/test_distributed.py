@@ -392,6 +392,8 @@ def test_each_rank_resumes_its_own_data_loader_and_values_are_rank_0s(tmp_path):
     assert one != two  # the ranks did read different batches
     entries = stepvault.open(root).manifest("r", 3).sharded["entries"]
     assert any(k.startswith("loader.rank1.") for k in entries), sorted(entries)
+    loaded = stepvault.open(root).checkpoint("r", 3).load()  # no internal key shows
+    assert sorted(loaded) == ["loader", "model", "who"] and loaded["who"] == 0
     # One process (no group) takes rank 0's position, as a smaller job's rank 0 would.
     from torch.utils.data import DataLoader
 

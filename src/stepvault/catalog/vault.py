@@ -87,6 +87,7 @@ class Checkpoint:
             for key in path[:-1]:
                 node = node.setdefault(key, {})
             node[path[-1]] = value
+        out.pop("__stepvault_kinds__", None)  # how a collective save recorded its entries
         return out
 
     def __repr__(self) -> str:
