@@ -540,3 +540,25 @@ def task_per_rank_loaders(rank, world, root, out):
     got = [b.tolist() for _, b in zip(range(2), iter(fresh["loader"]))]
     with open(os.path.join(out, f"loader{rank}.json"), "w") as f:
         json.dump({"seen": seen, "expected": expected, "got": got, "who": fresh["who"]}, f)
+
+
+def task_rank_local_on_every_rank(rank, world, root, out):
+    """A rank-local manager (collective=False) made on every rank: one gets the lease,
+    the other a LeaseHeldError that said only "being written by <host> pid <sibling>"."""
+    from stepvault import CheckpointManager
+    from stepvault.errors import LeaseHeldError
+
+    mgr, said = None, "got the lease"
+    if rank == 1:
+        dist.barrier()  # rank 0 holds the lease first
+    try:
+        mgr = CheckpointManager(root, "r", collective=False)
+    except LeaseHeldError as exc:
+        said = str(exc)
+    if rank == 0:
+        dist.barrier()
+    dist.barrier()  # the holder keeps it until the other has tried
+    if mgr is not None:
+        mgr.close()
+    with open(os.path.join(out, f"lease{rank}.txt"), "w") as f:
+        f.write(said)

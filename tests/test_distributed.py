@@ -408,3 +408,12 @@ def test_each_rank_resumes_its_own_data_loader_and_values_are_rank_0s(tmp_path):
     assert stepvault.restore(root, fresh, run="r").step == 3
     got = [b.tolist() for _, b in zip(range(2), iter(fresh["loader"]))]
     assert got == json.loads((out / "loader0.json").read_text())["expected"]
+
+
+def test_a_rank_local_manager_on_every_rank_is_told_how_to_make_it(tmp_path):
+    root, out = tmp_path / "s", tmp_path / "out"
+    _spawn(2, "rank_local_on_every_rank", root, out)
+    assert (out / "lease0.txt").read_text() == "got the lease"
+    said = (out / "lease1.txt").read_text()
+    assert "being written by" in said and "on one rank only (rank 0" in said, said
+    assert "collective=True" in said

@@ -33,7 +33,20 @@ class LocalScope:
 
     def acquire_lease(self, store: Store, run: str, stale_after: float) -> Lease | None:
         """The run's lease, installed as the fence of its commits in ``store``."""
-        return fenced(acquire_lease(store, run, stale_after=stale_after))
+        try:
+            return fenced(acquire_lease(store, run, stale_after=stale_after))
+        except LeaseHeldError as exc:
+            dist = torch.distributed
+            if not (self.rank_local and dist.is_available() and dist.is_initialized()):
+                raise
+            if dist.get_world_size() < 2:
+                raise
+            # Likely another rank of this very job: a rank-local manager on every rank.
+            raise LeaseHeldError(
+                f"{exc}. Under a process group of {dist.get_world_size()} ranks a rank-local "
+                "manager (collective=False) is made on one rank only (rank 0, which saves "
+                "the replicated model); or make it on every rank with collective=True"
+            ) from None
 
     def agree(self, decision: SaveDecision | None) -> SaveDecision | None:
         return decision
