@@ -115,6 +115,10 @@ def task_one_rank(rank: int, world: int, root: str, out: str) -> None:
     mgr = stepvault.CheckpointManager(root, "one", async_save=False)
     with mgr, pytest.raises(StepvaultError, match="collective=True"):
         mgr.save(1, state, force=True)
+    # Refused at the restore too (it was only at the first due save, after training).
+    mgr = stepvault.CheckpointManager(root, "one", async_save=False)
+    with mgr, pytest.raises(StepvaultError, match="collective=True"):
+        mgr.restore(state)
     assert stepvault.open(root).steps("one") == []
     with stepvault.CheckpointManager(root, "one", collective=True) as mgr:
         for _ in range(2):

@@ -70,6 +70,9 @@ class ManagerRestorer:
             validate_step(step)
         if assign and s.scope.collective:
             raise ValueError("restore(assign=True) is for one process; pass assign=False")
+        # A state this manager could never save (DTensors under a one-rank group without
+        # collective=True) is refused now, not at the first due save after hours of training.
+        s.scope.check_state(state)
         source = self.source()
         offer = None
         if s.scope.collective:  # rank 0 chooses; one broadcast with the first manifest
