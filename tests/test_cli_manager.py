@@ -158,3 +158,16 @@ def test_show_says_what_protects_a_checkpoint_and_its_annotated_metrics(tmp_path
     assert doc["protected"][0] == "pinned"
     res = runner.invoke(app, [*base, "show", "r@2"])
     assert "protected:" not in res.output and "annotated later" not in res.output
+
+
+def test_show_takes_a_registry_reference(tmp_path):
+    """``show m@stable`` said "bad checkpoint reference" while lineage, promote and the
+    dashboard take registry references."""
+    from stepvault.registry import Registry
+
+    _fill(tmp_path, steps=(1, 2))
+    Registry(tmp_path).promote("m", "r@1", "stable")
+    res = CliRunner().invoke(app, ["--root", str(tmp_path), "show", "m@stable"])
+    assert res.exit_code == 0 and res.output.startswith("r@1"), res.output
+    res = CliRunner().invoke(app, ["--root", str(tmp_path), "show", "nomodel@stable"])
+    assert res.exit_code == 2 and "bad checkpoint reference" in res.output

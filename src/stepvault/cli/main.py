@@ -87,7 +87,7 @@ def show_cmd(
 ) -> None:
     """Show one checkpoint: metadata, metrics, sizes, state layout and (optionally) tensors."""
     try:
-        run, step = parse_ref(ref)
+        run, step = _checkpoint_or_model(_root(root), ref)
         ckpt = open_vault(_root(root)).checkpoint(run, step)
     except StepvaultError as exc:
         return _fail(exc)
@@ -600,6 +600,22 @@ def gc_cmd(
             "reference objects; fix or remove them first[/]"
         )
     return None
+
+
+def _checkpoint_or_model(root: str, ref: str) -> tuple[str, int | str | None]:
+    """``RUN@STEP`` / ``RUN``, or a registry reference (``MODEL@ALIAS``, ``MODEL@vN``,
+    ``MODEL``) that names a checkpoint: the registry is asked when the reference is not a
+    checkpoint's and a model of that name exists."""
+    try:
+        return parse_ref(ref)
+    except StepvaultError:
+        from ..registry import Registry
+
+        registry = Registry(Store.open(root))
+        if ref.partition("@")[0] not in registry.models():
+            raise
+        version = registry.resolve(ref)
+        return version.run, version.step
 
 
 def _show_extras(
