@@ -552,6 +552,30 @@ def test_usage_by_tier_shows_the_tiers_that_answer_and_names_the_one_that_does_n
     assert doc["hot"]["checkpoints"] == 1 and "unreachable" in doc["archive"]
 
 
+def test_verify_with_a_tier_nothing_was_copied_to_yet_is_ok_and_a_broken_one_is_not(tmp_path):
+    """A tier added before any copy has no store yet: it holds nothing, it is not
+    unreachable (verify exited 1 for it, CI's crash campaign caught it); a tier whose
+    location is a file cannot be read: NOT CHECKED, exit 1."""
+    hot = tmp_path / "hot"
+    stepvault.save(hot, {"model": model(1)}, run="r", step=1)
+    runner = CliRunner()
+    base = ["--root", str(hot)]
+    assert (
+        runner.invoke(app, [*base, "tiers", "add", "archive", str(tmp_path / "c")]).exit_code == 0
+    )
+    assert ops.verify(hot).ok
+    res = runner.invoke(app, [*base, "verify"])
+    assert res.exit_code == 0 and "NOT CHECKED" not in res.output, res.output
+    import shutil
+
+    shutil.rmtree(tmp_path / "c", ignore_errors=True)
+    (tmp_path / "c").write_text("not a store")
+    report = ops.verify(hot)
+    assert not report.ok and "archive" in report.unreachable
+    res = runner.invoke(app, [*base, "verify"])
+    assert res.exit_code == 1 and "NOT CHECKED  tier archive" in res.output, res.output
+
+
 # ------------------------------------------------------------------------ S3 cold tier
 @pytest.mark.slow  # ~10 s of botocore backoff; the fast suite covers faults in test_s3_backend
 def test_s3_archive_behind_a_faulty_network(tmp_path, s3):

@@ -126,7 +126,10 @@ def verify_store(
         for name, tier in store._stores():
             held = {r: set(tier.list_steps(r)) for r in {r for r, _ in targets}}
             copies.append((name, tier, _collect(tier, [t for t in targets if t[1] in held[t[0]]])))
-        report.unreachable = dict(store.unreachable)
+        # A tier with no store yet (nothing copied there) holds nothing: not unreachable.
+        report.unreachable = {
+            n: why for n, why in store.unreachable.items() if n not in store.absent
+        }
     reports = {t: CheckpointReport(*t) for t in targets}
     found: dict[tuple[str, int], list[tuple[str, str]]] = {t: [] for t in targets}
     total = sum(sum(needed.values()) for _, _, (_, needed) in copies)

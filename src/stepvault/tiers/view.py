@@ -18,8 +18,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, StepvaultError
+from ..errors import CheckpointNotFoundError, StepvaultError, StoreNotFoundError
 from ..store import Store
+from ..store.repository import SETTINGS_KEY
 from .config import HOT, TIERS_KEY, Tiers
 from .mem import MEM
 
@@ -33,6 +34,8 @@ class TieredView(Store):
         self.order = list(names or tiers.names)
         self._usable: dict[str, Store] = {}
         self.unreachable: dict[str, str] = {}
+        #: of those, the tiers that answered and hold no store yet (no copy made so far)
+        self.absent: set[str] = set()
         #: bytes of objects served per tier since the last :meth:`reset_served` (a
         #: restore reports the tier it mostly came from)
         self.served: dict[str, int] = {}
@@ -65,6 +68,10 @@ class TieredView(Store):
                 except (StepvaultError, OSError) as exc:
                     # An unreachable archive must not stop a restore from hot.
                     self.unreachable[name] = str(exc)
+                    if isinstance(exc, StoreNotFoundError) and f"missing {SETTINGS_KEY}" in str(
+                        exc
+                    ):
+                        self.absent.add(name)  # reached: nothing copied there yet
                     continue
             out.append((name, store))
         return out
