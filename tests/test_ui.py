@@ -98,6 +98,10 @@ def test_store_page_shows_runs_savings_damage_and_models(client):
     total = sum(r["checkpoints"] for r in doc["runs"])
     assert doc["usage"]["checkpoints"] + doc["usage"]["damaged"] == total
     assert doc["usage"]["damaged"] == 1
+    # The page does not scan the objects: it says so (null), not a measured 0 that
+    # contradicted `du`'s count of unreferenced objects.
+    assert doc["usage"]["unreferenced_objects"] is None
+    assert doc["usage"]["unreferenced_bytes"] is None
     full = client.get("/?usage=1").text
     assert f"<b>{total}</b><span>checkpoints (1 damaged)" in full
     assert 'id="usage" data-pending="1"' in html  # sent at once, the sizes fetched after
@@ -460,3 +464,12 @@ def test_damage_found_after_a_page_was_shown_appears_once_the_memo_expires(
     monkeypatch.setattr(ui_app, "MEMO_SECONDS", 0.0)
     monkeypatch.setattr(ui_app, "RECHECK_SECONDS", 0.0)
     assert "checksum" in client.get(f"/api/runs/{RUN}").json()["checkpoints"][0]["error"]
+
+
+def test_dedup_savings_are_never_negative():
+    """Tiny states: the deduplicated bytes (with non-tensor state) exceed the tensors'
+    logical bytes, and the store page printed "saved -2.0 KiB"."""
+    from stepvault.ops.usage import StoreUsage
+
+    assert StoreUsage(logical_bytes=1000, raw_bytes=3048).dedup_savings == 0
+    assert StoreUsage(logical_bytes=5000, raw_bytes=3000).to_json()["dedup_savings_bytes"] == 2000
