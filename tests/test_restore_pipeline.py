@@ -55,18 +55,24 @@ def _small_chunks(root) -> None:
     Store.open(root, create=True, defaults=settings)
 
 
-def test_a_tight_read_ahead_budget_completes_every_object_once_bitwise():
-    """Reads run ahead of two verifiers within a budget of three objects, over a store
-    that downloads (every byte held until verified). Before the budget was granted in
-    order this deadlocked: later reads could fill it while the verifiers waited for an
-    earlier object that could no longer be read."""
+def _saved_and_opened() -> tuple:
+    """A saved state in a memory:// store with small chunks, opened for reading (two
+    verifier threads) through a CountingBackend: ``(state, backend, store, opened)``."""
     url = f"memory://sv-{uuid.uuid4().hex[:8]}"
     state = _state()
     _small_chunks(url)
     stepvault.save(url, state, run="r", step=1)
     backend = CountingBackend(url)
     store = Store(backend, Store.open(url).settings)  # type: ignore[arg-type]
-    opened = open_checkpoint(store, "r", 1, workers=2)
+    return state, backend, store, open_checkpoint(store, "r", 1, workers=2)
+
+
+def test_a_tight_read_ahead_budget_completes_every_object_once_bitwise():
+    """Reads run ahead of two verifiers within a budget of three objects, over a store
+    that downloads (every byte held until verified). Before the budget was granted in
+    order this deadlocked: later reads could fill it while the verifiers waited for an
+    earlier object that could no longer be read."""
+    state, backend, store, opened = _saved_and_opened()
     opened.reader.read_ahead = 3 * UNIT
     reported: list[int] = []
     done = threading.Thread(target=lambda: opened.verify_all(lambda d, t: reported.append(d)))
@@ -109,13 +115,7 @@ def test_reads_run_ahead_of_slow_verification_but_never_past_the_budget(monkeypa
 
     from stepvault.engine import fetch
 
-    url = f"memory://sv-{uuid.uuid4().hex[:8]}"
-    state = _state()
-    _small_chunks(url)
-    stepvault.save(url, state, run="r", step=1)
-    backend = CountingBackend(url)
-    store = Store(backend, Store.open(url).settings)  # type: ignore[arg-type]
-    opened = open_checkpoint(store, "r", 1, workers=2)
+    _, backend, _, opened = _saved_and_opened()
     limit = opened.reader.read_ahead = 4 * UNIT
     sizes = {d: e.size for d, e in opened.manifest.objects.items()}
     lock = threading.Lock()

@@ -141,11 +141,8 @@ def checkpoint_home(store: Store, run: str, step: int) -> tuple[Store, str | Non
         for name in view.where(run, step):
             return view.tiers.get(name, create=False), name
     existing_run(view, run)  # a typo: the nearest run names
-    steps = view.list_steps(run)
-    shown = ", ".join(map(str, steps[-10:])) or "none"
-    more = f"{len(steps)} checkpoints, the newest: " if len(steps) > 10 else ""
-    raise CheckpointNotFoundError(
-        f"no committed checkpoint {run}@{step} in {store.backend.url} ({run} has {more}{shown})"
+    raise CheckpointNotFoundError(  # the steps of every tier (a view lists them all)
+        f"no committed checkpoint {run}@{step} in {store.backend.url}{view.steps_hint(run, step)}"
     )
 
 

@@ -407,12 +407,12 @@ class Store:
         if isinstance(exc, FileNotFoundError):
             return CheckpointNotFoundError(
                 f"no committed checkpoint {run}@{step} in {self.backend.url}"
-                f"{self._steps_hint(run, step)}"
+                f"{self.steps_hint(run, step)}"
             )
         # e.g. ELOOP: a symlink planted where a manifest belongs
         return ManifestError(f"{run}@{step}: manifest cannot be read safely: {exc}")
 
-    def _steps_hint(self, run: str, step: int) -> str:
+    def steps_hint(self, run: str, step: int) -> str:
         """`` (r has 1, 2, 5)``, and when ``step`` is older than the newest, that a keep
         policy may have deleted it since (a reader holds what it reads: ops.hold)."""
         try:
